@@ -1,0 +1,122 @@
+"""Differentiable collectives over a mapped mesh axis (``"model"`` by default).
+
+These are thin, checked wrappers over ``jax.lax`` for code running inside
+``jax.shard_map`` / ``nnx.shard_map`` (with ``check_vma=True``, JAX's default).
+They follow Megatron's pairing of forward and backward communication:
+
+- ``all_reduce`` (sum): result is the same on every device; backward needs no
+  communication (the transpose of ``psum`` under ``check_vma``).
+- ``all_gather``: result is the same on every device; backward takes the local
+  slice of the cotangent (no communication).
+- ``reduce_scatter``: backward is an all-gather.
+- ``copy_to_parallel``: identity forward; backward all-reduces the cotangent.
+  This is Megatron's ``f`` operator, entered once before column-parallel layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flax_tp.mesh import MODEL_AXIS
+
+_OPS = ("sum", "mean", "max", "min")
+
+
+def axis_is_bound(axis_name: str) -> bool:
+  """True inside a ``shard_map`` whose manual axes include ``axis_name``."""
+  return axis_name in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def _require_bound(axis_name: str, what: str) -> None:
+  if not axis_is_bound(axis_name):
+    raise ValueError(
+        f"{what}: mesh axis {axis_name!r} is not bound here. Call it inside "
+        f"jax.shard_map(..., mesh=mesh) (or nnx.shard_map) over a mesh with a "
+        f"{axis_name!r} axis, or pass the axis_name of one that is bound."
+    )
+
+
+def is_varying(x: jax.Array, axis_name: str) -> bool:
+  """True when ``x`` may differ between devices along ``axis_name``."""
+  return axis_name in jax.typeof(x).manual_axis_type.varying
+
+
+def copy_to_parallel(x: jax.Array, axis_name: str = MODEL_AXIS) -> jax.Array:
+  """Marks a replicated ``x`` as input to per-device work (Megatron's ``f``).
+
+  Identity in the forward pass; in the backward pass the per-device cotangents
+  are summed with one all-reduce. Call it once on an activation that feeds
+  several column-parallel layers (q, k, v) so that backward does one all-reduce,
+  not one per layer. A no-op on values that already vary along the axis.
+  """
+  _require_bound(axis_name, "copy_to_parallel")
+  return x if is_varying(x, axis_name) else jax.lax.pcast(x, axis_name, to="varying")
+
+
+def all_reduce(x: jax.Array, op: str = "sum", axis_name: str = MODEL_AXIS) -> jax.Array:
+  """Reduces ``x`` elementwise over ``axis_name``; every device gets the result.
+
+  ``op`` is ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``. ``max``/``min`` are
+  differentiable: the cotangent goes to the devices that hold the extremum,
+  split equally on ties (like ``jnp.max``).
+  """
+  if op not in _OPS:
+    raise ValueError(f"unknown all_reduce op {op!r}; expected one of {_OPS}")
+  _require_bound(axis_name, f"all_reduce(op={op!r})")
+  x = copy_to_parallel(x, axis_name)
+  if op == "sum":
+    return jax.lax.psum(x, axis_name)
+  if op == "mean":
+    return jax.lax.pmean(x, axis_name)
+  return _extremum(x, axis_name, op == "max")
+
+
+def _extremum(x: jax.Array, axis_name: str, is_max: bool) -> jax.Array:
+  reduce = jax.lax.pmax if is_max else jax.lax.pmin
+
+  @jax.custom_vjp
+  def extremum(x):
+    return reduce(x, axis_name)
+
+  def fwd(x):
+    y = reduce(x, axis_name)
+    return y, (x, y)
+
+  def bwd(res, ct):
+    x, y = res
+    hit = (x == y).astype(ct.dtype)
+    # jax.lax.psum of the hit mask counts how many devices share the extremum.
+    return (ct * hit / jax.lax.psum(hit, axis_name),)
+
+  extremum.defvjp(fwd, bwd)
+  return extremum(x)
+
+
+def all_gather(x: jax.Array, axis: int = 0, axis_name: str = MODEL_AXIS) -> jax.Array:
+  """Concatenates every device's ``x`` along ``axis`` (tiled); same on all devices.
+
+  ``x``: ``[..., n_local, ...]`` varying over ``axis_name``;
+  returns ``[..., axis_size * n_local, ...]`` replicated over ``axis_name``.
+  Backward keeps each device's slice of the cotangent, with no communication.
+  """
+  _require_bound(axis_name, "all_gather")
+  x = copy_to_parallel(x, axis_name)
+  return jax.lax.all_gather(x, axis_name, axis=axis % x.ndim, tiled=True, to="invarying")
+
+
+def reduce_scatter(x: jax.Array, axis: int = 0, axis_name: str = MODEL_AXIS) -> jax.Array:
+  """Sums ``x`` over ``axis_name`` and keeps this device's block of ``axis``.
+
+  ``x``: ``[..., n, ...]`` with ``n`` divisible by the axis size; returns
+  ``[..., n / axis_size, ...]`` varying over ``axis_name``.
+  """
+  _require_bound(axis_name, "reduce_scatter")
+  size = jax.lax.axis_size(axis_name)
+  if x.shape[axis] % size:
+    raise ValueError(
+        f"reduce_scatter: dimension {axis} of size {x.shape[axis]} is not divisible "
+        f"by the size {size} of axis {axis_name!r}; pad it first (see ShardLayout)"
+    )
+  x = copy_to_parallel(x, axis_name)
+  return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis % x.ndim, tiled=True)

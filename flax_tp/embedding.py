@@ -1,0 +1,172 @@
+"""Embedding layers split over the vocabulary or over the features.
+
+Both take ``nnx.Embed``'s arguments plus ``mesh`` and ``axis_name``, draw their
+table from ``rngs`` as ``nnx.Embed`` does, and look ids up exactly as it does:
+negative ids count from the end, ids outside ``[-num_embeddings,
+num_embeddings)`` give rows of NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from flax.nnx.nn.linear import default_embed_init
+from jax.sharding import Mesh, PartitionSpec as P
+
+from flax_tp.collectives import all_gather, copy_to_parallel
+from flax_tp.layer import ParallelModule
+from flax_tp.linear import split_local
+from flax_tp.mesh import MODEL_AXIS
+from flax_tp.partition import ShardLayout
+from flax_tp.state import masked, sharded_param
+
+Array = jax.Array
+
+
+class _ParallelEmbed(ParallelModule):
+  split_dim: int  # 0: vocabulary, 1: features
+
+  def __init__(
+      self,
+      num_embeddings: int,
+      features: int,
+      *,
+      mesh: Mesh,
+      axis_name: str = MODEL_AXIS,
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      embedding_init: Any = default_embed_init,
+      promote_dtype: Any = dtypes.promote_dtype,
+      rngs: nnx.Rngs,
+  ):
+    self._init_mesh(mesh, axis_name)
+    self.layout = ShardLayout((num_embeddings, features)[self.split_dim], self.parallel_size)
+    self.embedding = sharded_param(embedding_init, rngs.params(), (num_embeddings, features),
+                                   param_dtype, mesh=mesh, axis_name=axis_name,
+                                   dim=self.split_dim)
+    self.num_embeddings = num_embeddings
+    self.features = features
+    self.dtype = dtype or self.embedding.dtype
+    self.param_dtype = param_dtype
+    self.promote_dtype = promote_dtype
+
+  def _table(self, table: Array) -> Array:
+    """This device's table with padding zeroed, in the compute dtype."""
+    table = masked(table, self.layout, self.split_dim, self.axis_name)
+    (table,) = self.promote_dtype((table,), dtype=self.dtype, inexact=False)
+    return table
+
+  def _check_ids(self, ids: Array) -> None:
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise ValueError(f"Input type must be an integer or unsigned integer, got {ids.dtype}")
+
+
+class VocabParallelEmbedding(_ParallelEmbed):
+  """``nnx.Embed`` with the table ``[num_embeddings, features]`` split over its rows.
+
+  Param (global, padded): ``embedding [parts * vocab_pad, features]`` sharded
+  over the model axis on the vocabulary.
+
+  ``__call__(ids [...])`` -> ``[..., features]`` replicated: each device looks up
+  the ids in its own range (others give zero) and one all-reduce sums them.
+  ``attend(x [..., features])`` -> logits: standalone ``[..., num_embeddings]``
+  like ``nnx.Embed.attend``; inside ``shard_map`` this device's padded shard
+  ``[..., vocab_pad]`` of the logits (padded columns are zero), for
+  ``vocab_parallel_cross_entropy``, which never gathers the full logits.
+  """
+
+  split_dim = 0
+
+  def __call__(self, inputs: Array) -> Array:
+    self._check_ids(inputs)
+    if self._is_local():
+      return self._lookup(self.embedding[...], inputs)
+    return self._run_standalone(self._lookup, (self.embedding[...], inputs),
+                                (self._spec(2, 0), P()), P())
+
+  def _lookup(self, table: Array, ids: Array) -> Array:
+    layout, vocab = self.layout, self.num_embeddings
+    table = self._table(table)
+    if vocab == 1:  # nnx.Embed broadcasts a one-row table whatever the id
+      ids = jnp.zeros_like(ids)
+    ids = jnp.where(ids < 0, ids + vocab, ids)  # negative ids wrap, as in jnp.take
+    valid = (ids >= 0) & (ids < vocab)
+    index = jax.lax.axis_index(self.axis_name)
+    local = ids - jnp.asarray(layout.offsets)[index]
+    mine = (local >= 0) & (local < jnp.asarray(layout.sizes)[index])
+    rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+    rows = jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
+    out = jax.lax.psum(copy_to_parallel(rows, self.axis_name), self.axis_name)
+    # jnp.take (hence nnx.Embed) fills rows of out-of-range ids with NaN.
+    return jnp.where(valid[..., None], out, jnp.full((), jnp.nan, out.dtype))
+
+  def attend(self, query: Array) -> Array:
+    if self._is_local():
+      return self._attend(self.embedding[...], query, gather=False)
+    return self._run_standalone(lambda t, q: self._attend(t, q, gather=True),
+                                (self.embedding[...], query), (self._spec(2, 0), P()), P())
+
+  def _attend(self, table: Array, query: Array, *, gather: bool) -> Array:
+    table = masked(table, self.layout, 0, self.axis_name)
+    query, table = self.promote_dtype((query, table), dtype=self.dtype)
+    logits = jnp.dot(copy_to_parallel(query, self.axis_name), table.T)
+    if not gather:
+      return logits
+    return self.layout.unpad(all_gather(logits, axis=-1, axis_name=self.axis_name), -1)
+
+
+class ParallelEmbedding(_ParallelEmbed):
+  """``nnx.Embed`` with the table ``[num_embeddings, features]`` split over its columns.
+
+  Param (global, padded): ``embedding [num_embeddings, parts * features_pad]``
+  sharded over the model axis on the features.
+
+  ``__call__(ids [...])``: standalone ``[..., features]``; inside ``shard_map``
+  ``[..., features]`` replicated when ``gather_output``, else this device's
+  padded feature shard ``[..., features_pad]``.
+  ``attend(x [..., features])`` -> ``[..., num_embeddings]`` replicated (each
+  device contracts its feature slice, then one all-reduce).
+  """
+
+  split_dim = 1
+
+  def __init__(self, num_embeddings: int, features: int, *, mesh: Mesh,
+               gather_output: bool = True, **kwargs):
+    super().__init__(num_embeddings, features, mesh=mesh, **kwargs)
+    self.gather_output = gather_output
+
+  def __call__(self, inputs: Array) -> Array:
+    self._check_ids(inputs)
+    if self._is_local():
+      return self._lookup(self.embedding[...], inputs, gather=self.gather_output)
+    out_spec = P() if self.gather_output else self._spec(inputs.ndim + 1, -1)
+    out = self._run_standalone(lambda t, i: self._lookup(t, i, gather=self.gather_output),
+                               (self.embedding[...], inputs), (self._spec(2, 1), P()),
+                               out_spec)
+    return out if self.gather_output else self.layout.unpad(out, -1)
+
+  def _lookup(self, table: Array, ids: Array, *, gather: bool) -> Array:
+    table = self._table(table)
+    if self.num_embeddings == 1:
+      rows = jnp.broadcast_to(table, ids.shape + table.shape[1:])
+    else:
+      rows = jnp.take(table, ids, axis=0)  # every device holds every row
+    if not gather:
+      return rows
+    return self.layout.unpad(all_gather(rows, axis=-1, axis_name=self.axis_name), -1)
+
+  def attend(self, query: Array) -> Array:
+    if self._is_local():
+      return self._attend(self.embedding[...], query)
+    return self._run_standalone(self._attend, (self.embedding[...], query),
+                                (self._spec(2, 1), P()), P())
+
+  def _attend(self, table: Array, query: Array) -> Array:
+    table = masked(table, self.layout, 1, self.axis_name)
+    query, table = self.promote_dtype((query, table), dtype=self.dtype)
+    partial = jnp.dot(split_local(query, self.layout, self.axis_name), table.T)
+    return jax.lax.psum(copy_to_parallel(partial, self.axis_name), self.axis_name)

@@ -1,0 +1,67 @@
+"""What every parallel layer shares: params on a mesh, and the two calling contexts.
+
+A layer runs in one of two contexts, read from JAX at call time:
+
+1. standalone (its model axis is not bound): a drop-in for the Flax layer.
+   Inputs and outputs are logical global arrays; the layer wraps its local
+   computation in its own ``jax.shard_map`` over its mesh.
+2. inside a ``shard_map`` over the mesh (the axis is bound): Megatron semantics
+   on local shards; the params seen are this device's shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from flax_tp.collectives import axis_is_bound
+from flax_tp.state import partition_names
+
+
+class ParallelModule(nnx.Module):
+  """Base of the parallel layers: holds ``mesh`` and ``axis_name``."""
+
+  mesh: Mesh
+  axis_name: str
+
+  def _init_mesh(self, mesh: Mesh, axis_name: str) -> None:
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise TypeError(f"mesh must be a jax.sharding.Mesh (see flax_tp.make_mesh), got {mesh!r}")
+    if axis_name not in mesh.axis_names:
+      raise ValueError(
+          f"axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
+    self.mesh = mesh
+    self.axis_name = axis_name
+
+  @property
+  def parallel_size(self) -> int:
+    """Number of devices along the model axis."""
+    return self.mesh.shape[self.axis_name]
+
+  def _is_local(self) -> bool:
+    return axis_is_bound(self.axis_name)
+
+  def _run_standalone(self, local_fn: Callable[..., Any], args: Sequence[Any],
+                      in_specs: Sequence[Any], out_specs: Any) -> Any:
+    """Runs ``local_fn`` on local shards under this layer's own ``shard_map``."""
+    return jax.shard_map(local_fn, mesh=self.mesh, in_specs=tuple(in_specs),
+                         out_specs=out_specs, check_vma=True)(*args)
+
+  def _spec(self, ndim: int, dim: int | None) -> P:
+    """Spec of a rank-``ndim`` array split over the model axis on ``dim``."""
+    return P(*partition_names(ndim, dim, self.axis_name))
+
+
+def param_spec(param: nnx.Param | None) -> P | None:
+  """The ``PartitionSpec`` a param was created with (None for absent params)."""
+  if param is None:
+    return None
+  return P(*param.get_metadata()["out_sharding"])
+
+
+def value(param: nnx.Param | None) -> jax.Array | None:
+  return None if param is None else param[...]
+

@@ -1,0 +1,190 @@
+"""Column- and row-parallel ``Dense`` layers (Megatron's ColumnParallelLinear / RowParallelLinear).
+
+Both take ``nnx.Linear``'s arguments plus ``mesh`` and ``axis_name``, draw their
+params from ``rngs`` exactly as ``nnx.Linear`` does, and store them sharded over
+the model axis (padded when the axis does not divide the split dimension).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from flax.nnx.nn.linear import default_bias_init, default_kernel_init
+from jax.sharding import Mesh, PartitionSpec as P
+
+from flax_tp.collectives import all_gather, copy_to_parallel
+from flax_tp.layer import ParallelModule
+from flax_tp.mesh import MODEL_AXIS
+from flax_tp.partition import ShardLayout
+from flax_tp.state import masked, sharded_param
+
+Array = jax.Array
+
+
+class _ParallelDense(ParallelModule):
+  """Params and arguments shared by both dense layers; ``split_dim`` says which."""
+
+  split_dim: int  # 1: column (output features), 0: row (input features)
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      *,
+      mesh: Mesh,
+      axis_name: str = MODEL_AXIS,
+      use_bias: bool = True,
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      precision: Any = None,
+      kernel_init: Any = default_kernel_init,
+      bias_init: Any = default_bias_init,
+      dot_general: Any = jax.lax.dot_general,
+      promote_dtype: Any = dtypes.promote_dtype,
+      shard_unit: int = 1,
+      rngs: nnx.Rngs,
+  ):
+    self._init_mesh(mesh, axis_name)
+    split = self.split_dim
+    self.layout = ShardLayout((in_features, out_features)[split], self.parallel_size,
+                              shard_unit)
+    # Same order of key draws as nnx.Linear: kernel, then bias.
+    self.kernel = sharded_param(kernel_init, rngs.params(), (in_features, out_features),
+                                param_dtype, mesh=mesh, axis_name=axis_name, dim=split,
+                                unit=shard_unit)
+    if use_bias:
+      # The column layer splits its bias with the outputs; the row layer adds its
+      # bias once after the reduce, so every device holds all of it.
+      self.bias = sharded_param(bias_init, rngs.params(), (out_features,), param_dtype,
+                                mesh=mesh, axis_name=axis_name,
+                                dim=0 if split == 1 else None, unit=shard_unit)
+    else:
+      self.bias = nnx.data(None)
+    self.in_features = in_features
+    self.out_features = out_features
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.precision = precision
+    self.dot_general = dot_general
+    self.promote_dtype = promote_dtype
+
+  def _matmul(self, x: Array, kernel: Array, bias: Array | None) -> tuple[Array, Array | None]:
+    x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
+    y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                         precision=self.precision)
+    return y, bias
+
+  def _params(self) -> tuple[Array, Array | None]:
+    return self.kernel[...], (self.bias[...] if self.bias is not None else None)
+
+  def _param_specs(self) -> tuple[P, P | None]:
+    return (self._spec(2, self.split_dim),
+            None if self.bias is None else self._spec(1, 0 if self.split_dim == 1 else None))
+
+
+class ColumnParallelDense(_ParallelDense):
+  """``y = x @ kernel + bias`` with ``kernel [in, out]`` split over its outputs.
+
+  Params (global, padded): ``kernel [in, parts * out_pad]`` and ``bias
+  [parts * out_pad]``, sharded over the model axis on the output dimension.
+
+  Standalone: ``x [..., in]`` -> ``[..., out]``, equal to ``nnx.Linear``.
+  Inside ``shard_map``: ``x [..., in]`` replicated over the model axis; returns
+  ``[..., out]`` replicated when ``gather_output`` (all-gather, padding removed),
+  else this device's padded shard ``[..., out_pad]`` (padding columns are zero),
+  ready for a ``RowParallelDense(input_is_parallel=True)``.
+  ``shard_unit`` splits ``out`` in whole blocks (e.g. ``head_dim``).
+  """
+
+  split_dim = 1
+
+  def __init__(self, in_features: int, out_features: int, *, mesh: Mesh,
+               gather_output: bool = True, **kwargs):
+    super().__init__(in_features, out_features, mesh=mesh, **kwargs)
+    self.gather_output = gather_output
+
+  def __call__(self, inputs: Array) -> Array:
+    if self._is_local():
+      return self._local(*self._params(), inputs, gather=self.gather_output)
+    kernel_spec, bias_spec = self._param_specs()
+    out_spec = P() if self.gather_output else self._spec(inputs.ndim, -1)
+    y = self._run_standalone(
+        lambda k, b, x: self._local(k, b, x, gather=self.gather_output),
+        (*self._params(), inputs), (kernel_spec, bias_spec, P()), out_spec)
+    return y if self.gather_output else self.layout.unpad(y, -1)
+
+  def _local(self, kernel: Array, bias: Array | None, x: Array, *, gather: bool) -> Array:
+    kernel = masked(kernel, self.layout, 1, self.axis_name)
+    if bias is not None:
+      bias = masked(bias, self.layout, 0, self.axis_name)
+    y, bias = self._matmul(copy_to_parallel(x, self.axis_name), kernel, bias)
+    if bias is not None:
+      y = y + bias
+    if not gather:
+      return y
+    return self.layout.unpad(all_gather(y, axis=-1, axis_name=self.axis_name), -1)
+
+
+class RowParallelDense(_ParallelDense):
+  """``y = x @ kernel + bias`` with ``kernel [in, out]`` split over its inputs.
+
+  Params (global, padded): ``kernel [parts * in_pad, out]`` sharded over the
+  model axis on the input dimension; ``bias [out]`` replicated.
+
+  Standalone: ``x [..., in]`` -> ``[..., out]``, equal to ``nnx.Linear``.
+  Inside ``shard_map``: with ``input_is_parallel`` ``x`` is this device's padded
+  shard ``[..., in_pad]`` (a column layer's ``gather_output=False`` output); else
+  ``x [..., in]`` is replicated and the layer takes its own slice. The partial
+  products are all-reduced; the result ``[..., out]`` is replicated.
+  """
+
+  split_dim = 0
+
+  def __init__(self, in_features: int, out_features: int, *, mesh: Mesh,
+               input_is_parallel: bool = False, **kwargs):
+    super().__init__(in_features, out_features, mesh=mesh, **kwargs)
+    self.input_is_parallel = input_is_parallel
+
+  def __call__(self, inputs: Array) -> Array:
+    if self._is_local():
+      return self._local(*self._params(), inputs, parallel_input=self.input_is_parallel)
+    # Standalone, the logical input is padded and sharded on the way in, which is
+    # cheaper than handing every device all of it and slicing.
+    kernel_spec, bias_spec = self._param_specs()
+    return self._run_standalone(
+        lambda k, b, x: self._local(k, b, x, parallel_input=True),
+        (*self._params(), self.layout.pad(inputs, -1)),
+        (kernel_spec, bias_spec, self._spec(inputs.ndim, -1)), P())
+
+  def _local(self, kernel: Array, bias: Array | None, x: Array, *,
+             parallel_input: bool) -> Array:
+    layout = self.layout
+    if parallel_input:
+      if x.shape[-1] != layout.padded_size:
+        raise ValueError(
+            f"RowParallelDense(input_is_parallel=True) expects this device's input "
+            f"shard of {layout.padded_size} features (of {layout.size} over "
+            f"{layout.parts}), got last dimension {x.shape[-1]}"
+        )
+    else:
+      x = split_local(x, layout, self.axis_name)
+    kernel = masked(kernel, layout, 0, self.axis_name)
+    y, bias = self._matmul(x, kernel, None if bias is None else bias)
+    # Sum the partial products first, then add the bias once: adding it before
+    # the reduce would count it parallel_size times.
+    y = jax.lax.psum(copy_to_parallel(y, self.axis_name), self.axis_name)
+    return y if bias is None else y + bias
+
+
+def split_local(x: Array, layout: ShardLayout, axis_name: str) -> Array:
+  """This device's padded slice ``[..., padded_size]`` of a replicated ``x [..., size]``."""
+  if x.shape[-1] != layout.size:
+    raise ValueError(f"expected last dimension {layout.size}, got {x.shape[-1]}")
+  index = jax.lax.axis_index(axis_name)
+  return jax.lax.dynamic_slice_in_dim(layout.pad(x, -1), index * layout.padded_size,
+                                      layout.padded_size, axis=-1)

@@ -1,0 +1,81 @@
+"""Cross-entropy on logits split over the vocabulary (Megatron's vocab-parallel loss)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flax_tp.collectives import axis_is_bound, copy_to_parallel
+from flax_tp.mesh import MODEL_AXIS
+from flax_tp.partition import ShardLayout
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: jax.Array,
+    labels: jax.Array,
+    *,
+    vocab_size: int | None = None,
+    axis_name: str = MODEL_AXIS,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> jax.Array:
+  """Per-token cross-entropy from vocab-sharded logits, never gathering them.
+
+  local_logits: ``[..., vocab_pad]`` this device's padded shard of the logits
+    (``VocabParallelEmbedding.attend`` inside ``shard_map``), varying over
+    ``axis_name``. Outside ``shard_map`` (axis not bound) it is the full
+    ``[..., vocab]`` and the same formula runs on one device.
+  labels: ``[...]`` int ids in ``[0, vocab_size)``, replicated over ``axis_name``.
+  vocab_size: the logical vocabulary; needed when the shards are padded.
+  returns: ``[...]`` float32 loss per token, replicated over ``axis_name``.
+
+  The loss is ``lse - (1 - a) * z_y - a * mean_j z_j + z_loss * lse**2`` with
+  ``a = label_smoothing``: optax's ``smooth_labels`` target (mass ``a / V`` on
+  every class) applied to the *whole* vocabulary, so it equals the unsharded
+  formula on every mesh (Megatron's per-rank smoothing does not). Only three
+  ``[...]``-sized all-reduces run: the max, the sum of exponentials and the
+  target logit (with the logit sum folded into the last one). Padded columns
+  never enter the softmax.
+  """
+  if not 0.0 <= label_smoothing <= 1.0:
+    raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+  sharded = axis_is_bound(axis_name)
+  parts = jax.lax.axis_size(axis_name) if sharded else 1
+  vocab = local_logits.shape[-1] * parts if vocab_size is None else vocab_size
+  layout = ShardLayout(vocab, parts)
+  if local_logits.shape[-1] != layout.padded_size:
+    raise ValueError(
+        f"local_logits has {local_logits.shape[-1]} vocabulary columns, expected "
+        f"{layout.padded_size} (vocab_size={vocab} over {parts} devices, padded)"
+    )
+  index = jax.lax.axis_index(axis_name) if sharded else 0
+
+  def reduce(x, op):
+    if not sharded:
+      return x
+    return op(copy_to_parallel(x, axis_name), axis_name)
+
+  logits = local_logits.astype(jnp.float32)
+  valid = layout.local_mask(index)
+  logits_valid = jnp.where(valid, logits, -jnp.inf)
+  # The max only stabilises the exponentials: lse is exact for any shift, so it
+  # needs no derivative (and pmax has none).
+  shift = reduce(jax.lax.stop_gradient(jnp.max(logits_valid, axis=-1)), jax.lax.pmax)
+  sum_exp = reduce(jnp.sum(jnp.exp(logits_valid - shift[..., None]), axis=-1), jax.lax.psum)
+  lse = shift + jnp.log(sum_exp)
+
+  local_label = labels - jnp.asarray(layout.offsets)[index]
+  mine = (local_label >= 0) & (local_label < jnp.asarray(layout.sizes)[index])
+  picked = jnp.take_along_axis(logits, jnp.where(mine, local_label, 0)[..., None],
+                               axis=-1)[..., 0]
+  target = jnp.where(mine, picked, 0.0)
+  if label_smoothing:
+    # One all-reduce carries both the target logit and the sum of all logits.
+    total = jnp.sum(jnp.where(valid, logits, 0.0), axis=-1)
+    target, total = reduce(jnp.stack([target, total]), jax.lax.psum)
+    loss = lse - (1.0 - label_smoothing) * target - label_smoothing * total / vocab
+  else:
+    loss = lse - reduce(target, jax.lax.psum)
+  if z_loss:
+    loss = loss + z_loss * lse ** 2
+  return loss

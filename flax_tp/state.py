@@ -1,0 +1,153 @@
+"""Sharded parameters: creating them, and converting to and from dense Flax state.
+
+A parallel parameter is an ``nnx.Param`` holding a global ``jax.Array`` in its
+stored (padded) form, sharded over the mesh's model axis, with metadata:
+
+- ``out_sharding``: its partition spec as axis names (what ``nnx.get_partition_spec``
+  reads), e.g. ``(None, "model")``;
+- ``mesh``: the mesh it lives on;
+- ``tp_layout`` / ``tp_dim``: the ``ShardLayout`` of its split dimension, so that
+  ``unshard`` can strip the padding. Absent on replicated parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from flax_tp.partition import ShardLayout
+
+Initializer = Callable[..., jax.Array]
+
+
+def partition_names(ndim: int, dim: int | None, axis_name: str) -> tuple[str | None, ...]:
+  """Axis names of a rank-``ndim`` tensor split on ``dim`` (None: replicated)."""
+  names: list[str | None] = [None] * ndim
+  if dim is not None:
+    names[dim % ndim] = axis_name
+  return tuple(names)
+
+
+def sharded_param(
+    init: Initializer,
+    key: jax.Array,
+    shape: tuple[int, ...],
+    dtype: Any,
+    *,
+    mesh: Mesh,
+    axis_name: str,
+    dim: int | None,
+    unit: int = 1,
+) -> nnx.Param:
+  """Initialises a parameter exactly as Flax would, then stores it sharded.
+
+  ``init(key, shape, dtype)`` runs once, on the full logical shape, so the values
+  are bit-for-bit those of the matching Flax layer whatever the mesh. The full
+  tensor is the only one materialised: each device then receives its padded
+  shard (``dim``) or a replica (``dim=None``).
+  """
+  full = init(key, shape, dtype)
+  names = partition_names(len(shape), dim, axis_name)
+  metadata: dict[str, Any] = {"out_sharding": names, "mesh": mesh}
+  if dim is not None:
+    layout = ShardLayout(shape[dim], mesh.shape[axis_name], unit)
+    metadata.update(tp_layout=layout, tp_dim=dim % len(shape))
+    full = layout.pad(full, dim)
+  return nnx.Param(place(full, NamedSharding(mesh, P(*names))), **metadata)
+
+
+def place(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+  """Puts a stored-form global value on ``sharding``'s devices (traceable)."""
+  if isinstance(value, jax.core.Tracer):
+    return jax.lax.with_sharding_constraint(value, sharding)
+  # Each device copies only its own block, so this works for shardings that span
+  # several processes too (every process holds the same ``value``).
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _is_param(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _gather(value: jax.Array) -> np.ndarray:
+  """The whole value of a global array on this host."""
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+  return np.asarray(value)
+
+
+def _unshard_variable(var: nnx.Variable) -> nnx.Variable:
+  layout: ShardLayout | None = var.get_metadata().get("tp_layout")
+  value = var[...]
+  if layout is not None:
+    value = jnp.asarray(layout.unpad(_gather(value), var.get_metadata()["tp_dim"]))
+  return nnx.Param(value) if isinstance(var, nnx.Param) else type(var)(value)
+
+
+def unshard(module_or_state: nnx.Module | nnx.State) -> nnx.State:
+  """The logical (unpadded) params, named and nested as the matching Flax module's.
+
+  Returns an ``nnx.State`` of plain ``nnx.Param``s holding the whole values (no
+  padding, no sharding metadata), so that
+  ``nnx.update(flax_module, unshard(parallel_module))`` works. Accepts a module
+  (its ``nnx.Param`` state is taken) or a state.
+  """
+  state = (nnx.state(module_or_state, nnx.Param)
+           if isinstance(module_or_state, nnx.Module) else module_or_state)
+  return jax.tree.map(_unshard_variable, state, is_leaf=_is_param)
+
+
+def load_unsharded(module: nnx.Module, source: nnx.Module | nnx.State) -> None:
+  """Loads dense (Flax) params into a parallel module, in place.
+
+  ``source`` is a Flax module or a state with the names ``unshard`` gives (for
+  example a plain ``nnx.Linear`` for a ``ColumnParallelDense``). Each value is
+  padded and sharded like the parameter it replaces.
+  """
+  dense = nnx.state(source, nnx.Param) if isinstance(source, nnx.Module) else source
+  target = nnx.state(module, nnx.Param)
+  target_paths = dict(nnx.to_flat_state(target))
+  dense_paths = dict(nnx.to_flat_state(dense))
+  if set(target_paths) != set(dense_paths):
+    missing = sorted(set(target_paths) - set(dense_paths))
+    extra = sorted(set(dense_paths) - set(target_paths))
+    raise ValueError(f"param names differ: missing {missing}, unexpected {extra}")
+  for path, var in target_paths.items():
+    var[...] = shard_value_like(var, dense_paths[path][...], path)
+
+
+def shard_value_like(var: nnx.Variable, logical: Any, path: Any = "") -> jax.Array:
+  """Padded, sharded form of ``logical`` laid out like the stored ``var``."""
+  meta = var.get_metadata()
+  layout: ShardLayout | None = meta.get("tp_layout")
+  logical = jnp.asarray(logical, dtype=var[...].dtype)
+  expected = list(var[...].shape)
+  if layout is not None:
+    expected[meta["tp_dim"]] = layout.size
+  if list(logical.shape) != expected:
+    raise ValueError(
+        f"param {path}: got shape {tuple(logical.shape)}, expected {tuple(expected)}")
+  stored = layout.pad(logical, meta["tp_dim"]) if layout is not None else logical
+  return place(stored, var[...].sharding)
+
+
+def masked(param: jax.Array, layout: ShardLayout, dim: int, axis_name: str) -> jax.Array:
+  """This device's shard of a parameter with its padding forced to zero.
+
+  Called on local shards inside ``shard_map``. Multiplying by a 0/1 mask (rather
+  than trusting the stored zeros) makes the gradient of every padded element
+  exactly zero, so no optimizer (weight decay, Adam's moments) can move it.
+  A no-op for even layouts.
+  """
+  if layout.is_even:
+    return param
+  mask = layout.local_mask(jax.lax.axis_index(axis_name))
+  shape = [1] * param.ndim
+  shape[dim] = layout.padded_size
+  return jnp.where(mask.reshape(shape), param, jnp.zeros((), param.dtype))

@@ -1,0 +1,22 @@
+"""Test set-up: 8 simulated CPU devices, set before jax is first imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import flax_tp  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def meshes():
+  """The meshes every layer test runs on; "1x3" is a sub-mesh of 3 devices."""
+  return {spec: flax_tp.make_mesh(spec) for spec in ("1x1", "1x2", "2x4", "1x8", "1x3")}
+
+
+def pytest_configure(config):
+  assert jax.device_count() == 8, "tests need 8 simulated devices (XLA_FLAGS set too late?)"

@@ -1,0 +1,88 @@
+"""Shared test tools: run a module on local shards, compare with Flax, check padding."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import flax_tp
+
+F32 = dict(rtol=1e-6, atol=1e-6)
+
+
+def inside_shard_map(module, fn, mesh, *inputs, in_specs=None, out_specs=P()):
+  """Value and param-gradient of ``fn(module, *inputs)`` run inside one shard_map.
+
+  ``fn`` returns a scalar that is the same on every device; inputs are replicated
+  unless ``in_specs`` says otherwise. Returns (value, grads as a global state).
+  """
+  graphdef, state = nnx.split(module, nnx.Param)
+  specs = nnx.get_partition_spec(state)
+
+  def local(state, *xs):
+    def loss(state):
+      return fn(nnx.merge(graphdef, state), *xs)
+    return jax.value_and_grad(loss)(state)
+
+  in_specs = tuple(in_specs) if in_specs is not None else (P(),) * len(inputs)
+  mapped = jax.shard_map(local, mesh=mesh, in_specs=(specs, *in_specs),
+                         out_specs=(out_specs, specs))
+  return jax.jit(mapped)(state, *inputs)
+
+
+_TX = optax.adamw(0.1, weight_decay=0.1)
+
+
+@jax.jit
+def _adamw(params, grads):
+  updates, _ = _TX.update(grads, _TX.init(params), params)
+  return optax.apply_updates(params, updates)
+
+
+def adamw_step(module, grads):
+  """One adamw step applied to ``module`` in place (global arrays, outside any map)."""
+  nnx.update(module, _adamw(nnx.state(module, nnx.Param), grads))
+
+
+@functools.partial(nnx.jit, static_argnums=0)
+def forward_and_grads(fn, module, x):
+  """``fn(module, x)``, ``module(x)`` and the gradients of ``fn`` w.r.t. module and x."""
+  (value, grads) = nnx.value_and_grad(fn, argnums=(0, 1))(module, x)
+  return value, module(x), grads
+
+
+def assert_state_close(parallel_state, flax_state, **tol):
+  """Unshards ``parallel_state`` and compares it leaf by leaf with a Flax state."""
+  mine = nnx.to_flat_state(flax_tp.unshard(parallel_state))
+  ref = nnx.to_flat_state(nnx.state(flax_state, nnx.Param)
+                          if isinstance(flax_state, nnx.Module) else flax_state)
+  assert [p for p, _ in mine] == [p for p, _ in ref]
+  for (path, a), (_, b) in zip(mine, ref):
+    np.testing.assert_allclose(np.asarray(a[...], np.float32), np.asarray(b[...], np.float32),
+                               err_msg=str(path), **(tol or F32))
+
+
+def assert_padding_zero(module_or_state):
+  """Every stored padding element of every sharded param is exactly zero."""
+  state = (nnx.state(module_or_state, nnx.Param) if isinstance(module_or_state, nnx.Module)
+           else module_or_state)
+  checked = 0
+  for path, var in nnx.to_flat_state(state):
+    layout = var.get_metadata().get("tp_layout")
+    if layout is None or layout.is_even:
+      continue
+    stored = np.asarray(var[...])
+    pad = np.take(stored, np.flatnonzero(~layout.valid_mask()), axis=var.get_metadata()["tp_dim"])
+    assert pad.size and not np.any(pad), f"padding of {path} is not zero"
+    checked += 1
+  return checked
+
+
+def random(shape, seed=1, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype)

@@ -1,0 +1,217 @@
+"""ColumnParallelDense / RowParallelDense against nnx.Linear built from the same seed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import flax_tp
+from helpers import (F32, adamw_step, assert_padding_zero, assert_state_close,
+                     forward_and_grads, inside_shard_map, random)
+
+MESHES = ["1x1", "1x2", "2x4", "1x8", "1x3"]
+# (in, out): even over every axis; 10 and 7 uneven; 3 smaller than the axis.
+SIZES = [(8, 8), (10, 7), (7, 10), (3, 3)]
+LAYERS = [flax_tp.ColumnParallelDense, flax_tp.RowParallelDense]
+
+
+def loss_fn(layer, x):
+  return jnp.sum(jnp.sin(layer(x)))
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("mesh_spec", MESHES)
+def test_init_parity(meshes, mesh_spec, cls):
+  for din, dout in SIZES:
+    layer = cls(din, dout, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0))
+    ref = nnx.Linear(din, dout, rngs=nnx.Rngs(0))
+    for name in ("kernel", "bias"):
+      np.testing.assert_array_equal(flax_tp.unshard(layer)[name][...], getattr(ref, name)[...])
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("mesh_spec", MESHES)
+def test_params_are_sharded(meshes, mesh_spec, cls):
+  mesh = meshes[mesh_spec]
+  layer = cls(10, 7, mesh=mesh, rngs=nnx.Rngs(0))
+  model = mesh.shape["model"]
+  split = 1 if cls is flax_tp.ColumnParallelDense else 0
+  kernel = layer.kernel[...]
+  assert kernel.shape[split] == -(-(10, 7)[split] // model) * model
+  expected = P(None, "model") if split else P("model", None)
+  assert kernel.sharding.spec == expected and kernel.sharding.mesh == mesh
+  assert nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value() == expected
+  # Each device holds only its shard.
+  assert {s.data.shape[split] for s in kernel.addressable_shards} == {kernel.shape[split] // model}
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("mesh_spec", MESHES)
+def test_standalone_matches_linear(meshes, mesh_spec, cls):
+  """Outputs, gradients (params and input) and one adamw step, at every size."""
+  for din, dout in SIZES:
+    layer = cls(din, dout, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0))
+    ref = nnx.Linear(din, dout, rngs=nnx.Rngs(0))
+    x = random((2, 3, din))
+    _, y, (g_layer, g_x) = forward_and_grads(loss_fn, layer, x)
+    _, y_ref, (g_ref, g_xref) = forward_and_grads(loss_fn, ref, x)
+    np.testing.assert_allclose(y, y_ref, **F32)
+    assert_state_close(g_layer, g_ref)
+    np.testing.assert_allclose(g_x, g_xref, **F32)
+
+    adamw_step(layer, g_layer)
+    adamw_step(ref, g_ref)
+    assert_state_close(layer, ref)
+    assert_padding_zero(layer)
+
+
+@pytest.mark.parametrize("mesh_spec", MESHES)
+def test_column_gather_output_false_standalone(meshes, mesh_spec):
+  layer = flax_tp.ColumnParallelDense(5, 10, mesh=meshes[mesh_spec], gather_output=False,
+                                      rngs=nnx.Rngs(0))
+  ref = nnx.Linear(5, 10, rngs=nnx.Rngs(0))
+  x = random((4, 5))
+  np.testing.assert_allclose(layer(x), ref(x), **F32)
+
+
+class MLP(nnx.Module):
+  """Megatron's MLP: column (no gather) -> GELU -> row (parallel input)."""
+
+  def __init__(self, d, f, *, mesh=None, rngs):
+    if mesh is None:
+      self.up, self.down = nnx.Linear(d, f, rngs=rngs), nnx.Linear(f, d, rngs=rngs)
+    else:
+      self.up = flax_tp.ColumnParallelDense(d, f, mesh=mesh, gather_output=False, rngs=rngs)
+      self.down = flax_tp.RowParallelDense(f, d, mesh=mesh, input_is_parallel=True, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.gelu(self.up(x)))
+
+
+def mlp_loss(mlp, x):
+  """Mean over the global batch: each data shard's share, summed over "data"."""
+  local = jnp.sum(jnp.sin(mlp(x))) / 8
+  return jax.lax.psum(local, "data") if flax_tp.axis_is_bound("data") else local
+
+
+@pytest.mark.parametrize("mesh_spec", MESHES)
+@pytest.mark.parametrize("d,f", [(8, 16), (6, 10), (5, 3)])
+def test_mlp_inside_shard_map(meshes, mesh_spec, d, f):
+  mesh = meshes[mesh_spec]
+  mlp, ref = MLP(d, f, mesh=mesh, rngs=nnx.Rngs(0)), MLP(d, f, rngs=nnx.Rngs(0))
+  x = random((8, d))
+  loss, grads = inside_shard_map(mlp, mlp_loss, mesh, x, in_specs=[P("data")])
+  ref_loss, ref_grads = nnx.value_and_grad(mlp_loss)(ref, x)
+  np.testing.assert_allclose(loss, ref_loss, **F32)
+  assert_state_close(grads, ref_grads)
+  for _ in range(2):
+    adamw_step(mlp, grads)
+    adamw_step(ref, ref_grads)
+    _, grads = inside_shard_map(mlp, mlp_loss, mesh, x, in_specs=[P("data")])
+    _, ref_grads = nnx.value_and_grad(mlp_loss)(ref, x)
+  assert_state_close(mlp, ref, rtol=1e-5, atol=1e-6)
+  if mesh.shape["model"] > 1 and (f % mesh.shape["model"]):
+    assert assert_padding_zero(mlp) == 3  # up.kernel, up.bias, down.kernel
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_column_inside_shard_map(meshes, gather):
+  mesh = meshes["2x4"]
+  layer = flax_tp.ColumnParallelDense(6, 10, mesh=mesh, gather_output=gather, rngs=nnx.Rngs(0))
+  ref = nnx.Linear(6, 10, rngs=nnx.Rngs(0))
+  x = random((4, 6))
+  graphdef, state = nnx.split(layer)
+  out_spec = P() if gather else P(None, "model")
+  y = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
+                    in_specs=(nnx.get_partition_spec(state), P()), out_specs=out_spec)(state, x)
+  expected = ref(x) if gather else layer.layout.pad(ref(x), -1)  # local padded shards
+  np.testing.assert_allclose(y, expected, **F32)
+
+
+def test_row_replicated_input_inside_shard_map(meshes):
+  mesh = meshes["1x3"]
+  layer = flax_tp.RowParallelDense(7, 4, mesh=mesh, rngs=nnx.Rngs(0))
+  ref = nnx.Linear(7, 4, rngs=nnx.Rngs(0))
+  x = random((3, 7))
+
+  def fn(layer, x):
+    return jnp.sum(jnp.sin(layer(x)))
+
+  graphdef, state = nnx.split(layer)
+  specs = nnx.get_partition_spec(state)
+  grad_fn = jax.shard_map(
+      lambda s, x: jax.grad(lambda s, x: fn(nnx.merge(graphdef, s), x), argnums=(0, 1))(s, x),
+      mesh=mesh, in_specs=(specs, P()), out_specs=(specs, P()))
+  g_state, g_x = grad_fn(state, x)
+  g_ref, g_xref = nnx.grad(fn, argnums=(0, 1))(ref, x)
+  assert_state_close(g_state, g_ref)
+  np.testing.assert_allclose(g_x, g_xref, **F32)
+
+
+def test_row_parallel_input_wrong_width(meshes):
+  mesh = meshes["1x2"]
+  layer = flax_tp.RowParallelDense(7, 4, mesh=mesh, input_is_parallel=True, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(layer)
+  f = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
+                    in_specs=(nnx.get_partition_spec(state), P()), out_specs=P())
+  with pytest.raises(ValueError, match="input shard of 4 features"):
+    f(state, random((2, 7)))
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_bfloat16(meshes, cls):
+  kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  layer = cls(10, 7, mesh=meshes["2x4"], rngs=nnx.Rngs(0), **kw)
+  ref = nnx.Linear(10, 7, rngs=nnx.Rngs(0), **kw)
+  assert layer.kernel[...].dtype == jnp.bfloat16
+  assert_state_close(layer, ref, rtol=0, atol=0)
+  x = random((4, 10), dtype=jnp.bfloat16)
+  _, y, (g, _) = forward_and_grads(loss_fn, layer, x)
+  _, y_ref, (g_ref, _) = forward_and_grads(loss_fn, ref, x)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32),
+                             rtol=2e-2, atol=2e-2)
+  assert_state_close(g, g_ref, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_no_bias_and_custom_init(meshes, cls):
+  init = nnx.initializers.orthogonal()
+  kw = dict(use_bias=False, kernel_init=init)
+  layer = cls(10, 7, mesh=meshes["1x3"], rngs=nnx.Rngs(3), **kw)
+  ref = nnx.Linear(10, 7, rngs=nnx.Rngs(3), **kw)
+  assert layer.bias is None and "bias" not in nnx.state(layer)
+  assert_state_close(layer, ref, rtol=0, atol=0)
+  x = random((4, 10))
+  np.testing.assert_allclose(layer(x), ref(x), **F32)
+
+
+def test_nnx_optimizer_and_jit(meshes):
+  """nnx.Optimizer + nnx.jit work unchanged on a parallel layer (standalone)."""
+  mesh = meshes["2x4"]
+  layer = flax_tp.ColumnParallelDense(10, 7, mesh=mesh, rngs=nnx.Rngs(0))
+  ref = nnx.Linear(10, 7, rngs=nnx.Rngs(0))
+  x = random((4, 10))
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    grads = nnx.grad(loss_fn)(model, x)
+    optimizer.update(model, grads)
+
+  for model in (layer, ref):
+    optimizer = nnx.Optimizer(model, optax.adamw(0.1), wrt=nnx.Param)
+    for _ in range(3):
+      step(model, optimizer, x)
+  assert_state_close(layer, ref, rtol=1e-5, atol=1e-6)
+  assert layer.kernel[...].sharding.spec == P(None, "model")
+  assert_padding_zero(layer)
+
+
+def test_bad_mesh_arguments(meshes):
+  with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+    flax_tp.ColumnParallelDense(4, 4, mesh="2x4", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="'tensor' is not an axis"):
+    flax_tp.RowParallelDense(4, 4, mesh=meshes["2x4"], axis_name="tensor", rngs=nnx.Rngs(0))

@@ -1,0 +1,76 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flax_tp import ShardLayout, split_tensor_for_parallelism
+
+
+def test_reference_rows_10_over_3():
+  t = np.arange(10).reshape(10, 1)
+  shards = [split_tensor_for_parallelism(t, i, 3, 0)[:, 0].tolist() for i in range(3)]
+  assert shards == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+def test_reference_11x2_over_4():
+  t = jnp.arange(22).reshape(11, 2)
+  assert [split_tensor_for_parallelism(t, i, 4, 0).shape[0] for i in range(4)] == [3, 3, 3, 2]
+
+
+def test_last_dim_negative():
+  t = np.arange(30).reshape(2, 5, 3)
+  shards = [split_tensor_for_parallelism(t, i, 3, -1) for i in range(3)]
+  assert [s.shape for s in shards] == [(2, 5, 1)] * 3
+  np.testing.assert_array_equal(np.concatenate(shards, axis=-1), t)
+
+
+@pytest.mark.parametrize("n,k", [(10, 4), (7, 3), (257, 4), (8, 8), (3, 4), (0, 2)])
+@pytest.mark.parametrize("xp", [np, jnp])
+def test_concatenation_restores_and_matches_array_split(n, k, xp):
+  t = xp.arange(n * 2).reshape(n, 2)
+  shards = [split_tensor_for_parallelism(t, i, k, 0) for i in range(k)]
+  assert all(type(s) is type(t) or isinstance(s, type(t)) for s in shards)
+  for mine, ref in zip(shards, np.array_split(np.asarray(t), k, axis=0)):
+    np.testing.assert_array_equal(mine, ref)
+  np.testing.assert_array_equal(np.concatenate(shards, axis=0), t)
+
+
+def test_more_devices_than_rows_gives_empty_shards():
+  t = np.arange(3)
+  assert [split_tensor_for_parallelism(t, i, 4, 0).shape for i in range(4)] == [(1,)] * 3 + [(0,)]
+
+
+@pytest.mark.parametrize("index,count,dim,match", [
+    (0, 0, 0, "device_count"), (0, -1, 0, "device_count"), (3, 3, 0, "index"),
+    (-1, 3, 0, "index"), (0, 2, 2, "dim 2"), (0, 2, -3, "dim -3"),
+])
+def test_errors(index, count, dim, match):
+  with pytest.raises(ValueError, match=match):
+    split_tensor_for_parallelism(np.zeros((4, 4)), index, count, dim)
+
+
+def test_layout_uneven():
+  layout = ShardLayout(10, 4)
+  assert layout.sizes == (3, 3, 2, 2) and layout.offsets == (0, 3, 6, 8)
+  assert layout.padded_size == 3 and layout.padded_total == 12 and not layout.is_even
+  x = np.arange(20.0).reshape(2, 10)
+  stored = layout.pad(x, -1)
+  assert stored.shape == (2, 12)
+  np.testing.assert_array_equal(stored[:, ~layout.valid_mask()], 0)
+  np.testing.assert_array_equal(layout.unpad(stored, -1), x)
+  np.testing.assert_array_equal(layout.unpad(layout.pad(jnp.asarray(x), 1), 1), x)
+
+
+def test_layout_whole_units():
+  # 6 heads of width 2 over 4 devices: 2, 2, 1, 1 heads; a head never straddles.
+  layout = ShardLayout(12, 4, unit=2)
+  assert layout.sizes == (4, 4, 2, 2) and layout.padded_size == 4
+  stored = layout.pad(np.arange(12), 0)
+  np.testing.assert_array_equal(stored, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0, 10, 11, 0, 0])
+  with pytest.raises(ValueError, match="multiple of unit"):
+    ShardLayout(7, 2, unit=2)
+
+
+def test_layout_even_is_identity():
+  layout = ShardLayout(8, 4)
+  x = np.arange(8)
+  assert layout.is_even and layout.pad(x, 0) is x and layout.unpad(x, 0) is x
