@@ -70,6 +70,23 @@ def place(value: jax.Array, sharding: NamedSharding) -> jax.Array:
   return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
+def replicate_on_mesh(module: nnx.Module, mesh: Mesh) -> nnx.Module:
+  """Puts every param of ``module`` that is not sharded on ``mesh``, replicated.
+
+  Plain Flax layers inside a parallel model (LayerNorm, a position embedding)
+  create their params on one device; a step that mixes them with the mesh's
+  arrays needs them on the mesh. Their metadata records the mesh and an empty
+  spec, so ``nnx.get_partition_spec`` says ``P()``. Returns ``module``.
+  """
+  for _, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+    if "tp_layout" in var.get_metadata() or var.get_metadata().get("mesh") == mesh:
+      continue
+    value = var[...]
+    var.set_metadata(out_sharding=(None,) * value.ndim, mesh=mesh)
+    var[...] = place(value, NamedSharding(mesh, P()))
+  return module
+
+
 def _is_param(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
