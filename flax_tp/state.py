@@ -101,9 +101,11 @@ def _gather(value: jax.Array) -> np.ndarray:
 
 def _unshard_variable(var: nnx.Variable) -> nnx.Variable:
   layout: ShardLayout | None = var.get_metadata().get("tp_layout")
-  value = var[...]
+  value = _gather(var[...])
   if layout is not None:
-    value = jnp.asarray(layout.unpad(_gather(value), var.get_metadata()["tp_dim"]))
+    value = layout.unpad(value, var.get_metadata()["tp_dim"])
+  # On the default device, off the mesh: a plain Flax module can use it directly.
+  value = jnp.asarray(value)
   return nnx.Param(value) if isinstance(var, nnx.Param) else type(var)(value)
 
 

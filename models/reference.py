@@ -1,0 +1,102 @@
+"""The transformer in plain Flax NNX: the reference flax_tp must reproduce exactly.
+
+Same architecture, same param names and nesting, same order of key draws as
+``models/transformer.py``, so one seed gives the same model in both. It imports
+nothing from flax_tp.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import ops
+from models.config import TransformerConfig
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    width = cfg.num_heads * cfg.head_dim
+    dense = dict(dtype=cfg.compute_dtype, rngs=rngs)
+    self.q = nnx.Linear(cfg.d_model, width, **dense)
+    self.k = nnx.Linear(cfg.d_model, width, **dense)
+    self.v = nnx.Linear(cfg.d_model, width, **dense)
+    self.o = nnx.Linear(width, cfg.d_model, **dense)
+    self.cfg = cfg
+
+  def __call__(self, x_bsd, key, layer):
+    cfg = self.cfg
+    b, s, _ = x_bsd.shape
+    split = lambda t: t.reshape(b, s, cfg.num_heads, cfg.head_dim)
+    q, k, v = split(self.q(x_bsd)), split(self.k(x_bsd)), split(self.v(x_bsd))
+    q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
+    out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
+                               rate=cfg.dropout, rows=jnp.arange(b),
+                               heads=jnp.arange(cfg.num_heads))
+    return self.o(out.reshape(b, s, -1))
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.up = nnx.Linear(cfg.d_model, cfg.d_ff, dtype=cfg.compute_dtype, rngs=rngs)
+    self.down = nnx.Linear(cfg.d_ff, cfg.d_model, dtype=cfg.compute_dtype, rngs=rngs)
+
+  def __call__(self, x_bsd):
+    return self.down(jax.nn.gelu(self.up(x_bsd)))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
+                             rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
+                             rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+    self.cfg = cfg
+
+  def __call__(self, x_bsd, key, layer):
+    rate, rows = self.cfg.dropout, jnp.arange(x_bsd.shape[0])
+    attn = self.attn(self.ln1(x_bsd), key, layer)
+    x_bsd = x_bsd + ops.dropout(attn, ops.site_key(key, layer, ops.ATTN_OUT), rate, rows)
+    mlp = self.mlp(self.ln2(x_bsd))
+    return x_bsd + ops.dropout(mlp, ops.site_key(key, layer, ops.MLP_OUT), rate, rows)
+
+
+class ReferenceTransformer(nnx.Module):
+  """tokens ``[b, s]`` int -> logits ``[b, s, v]``."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
+                              rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
+                             dtype=cfg.compute_dtype, rngs=rngs)
+    self.cfg = cfg
+
+  def __call__(self, tokens_bs, *, dropout_key=None):
+    cfg = self.cfg
+    x = self.embed(tokens_bs)
+    x = ops.dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout,
+                    jnp.arange(tokens_bs.shape[0]))
+    for layer, block in enumerate(self.blocks):
+      x = block(x, dropout_key, layer)
+    x = self.ln_f(x)
+    return self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
+
+
+def reference_loss(model: ReferenceTransformer, tokens_bs1, *, dropout_key=None,
+                   label_smoothing: float = 0.0, z_loss: float = 0.0):
+  """Mean next-token cross-entropy of ``tokens [b, s + 1]`` (optax's formula)."""
+  import optax
+
+  logits = model(tokens_bs1[:, :-1], dropout_key=dropout_key).astype(jnp.float32)
+  targets = optax.smooth_labels(jax.nn.one_hot(tokens_bs1[:, 1:], logits.shape[-1]),
+                                label_smoothing)
+  loss = optax.softmax_cross_entropy(logits, targets)
+  if z_loss:
+    loss = loss + z_loss * jax.nn.logsumexp(logits, axis=-1) ** 2
+  return jnp.mean(loss)

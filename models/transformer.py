@@ -1,0 +1,148 @@
+"""A decoder-only transformer built from flax_tp layers (Megatron's layout).
+
+Per block, inside one ``shard_map`` over ``("data", "model")``:
+
+    x [b, s, d] replicated over "model"
+      -> LayerNorm -> copy_to_parallel -> q, k, v column-parallel by whole heads
+      -> rotary, causal attention on this device's heads
+      -> o row-parallel (all-reduce #1) -> residual
+      -> LayerNorm -> up column-parallel -> GELU -> down row-parallel (all-reduce #2)
+      -> residual
+
+The tied LM head gives this device's vocabulary shard of the logits, which
+``flax_tp.vocab_parallel_cross_entropy`` consumes without gathering them.
+Param names, nesting and key-draw order match ``models/reference.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+import flax_tp
+from models import ops
+from models.config import TransformerConfig
+
+
+def _data_rows(local_batch: int) -> jax.Array:
+  """Global batch-row ids of this device's rows (for mesh-independent dropout)."""
+  first = 0
+  if flax_tp.axis_is_bound(flax_tp.DATA_AXIS):
+    first = jax.lax.axis_index(flax_tp.DATA_AXIS) * local_batch
+  return first + jnp.arange(local_batch)
+
+
+class ParallelAttention(nnx.Module):
+  def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+    width = cfg.num_heads * cfg.head_dim
+    # shard_unit=head_dim: heads are split whole, never across two devices.
+    kw = dict(mesh=mesh, dtype=cfg.compute_dtype, shard_unit=cfg.head_dim, rngs=rngs)
+    self.q = flax_tp.ColumnParallelDense(cfg.d_model, width, gather_output=False, **kw)
+    self.k = flax_tp.ColumnParallelDense(cfg.d_model, width, gather_output=False, **kw)
+    self.v = flax_tp.ColumnParallelDense(cfg.d_model, width, gather_output=False, **kw)
+    self.o = flax_tp.RowParallelDense(width, cfg.d_model, input_is_parallel=True, **kw)
+    self.cfg = cfg
+
+  def __call__(self, x_bsd, key, layer, rows):
+    """x: ``[b, s, d]`` replicated -> ``[b, s, d]`` replicated (after one all-reduce)."""
+    cfg = self.cfg
+    b, s, _ = x_bsd.shape
+    # One copy_to_parallel for q, k and v: backward sums their input gradients
+    # first and all-reduces once.
+    x_bsd = flax_tp.copy_to_parallel(x_bsd)
+    local_heads = self.q.layout.padded_size // cfg.head_dim
+    split = lambda t: t.reshape(b, s, local_heads, cfg.head_dim)
+    q, k, v = split(self.q(x_bsd)), split(self.k(x_bsd)), split(self.v(x_bsd))
+    q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
+    first_head = jnp.asarray(self.q.layout.offsets)[jax.lax.axis_index(self.q.axis_name)]
+    heads = first_head // cfg.head_dim + jnp.arange(local_heads)
+    # Padded heads have zero q, k, v, so their output is zero.
+    out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
+                               rate=cfg.dropout, rows=rows, heads=heads)
+    return self.o(out.reshape(b, s, -1))
+
+
+class ParallelMLP(nnx.Module):
+  def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+    kw = dict(mesh=mesh, dtype=cfg.compute_dtype, rngs=rngs)
+    self.up = flax_tp.ColumnParallelDense(cfg.d_model, cfg.d_ff, gather_output=False, **kw)
+    self.down = flax_tp.RowParallelDense(cfg.d_ff, cfg.d_model, input_is_parallel=True, **kw)
+
+  def __call__(self, x_bsd):
+    """``[b, s, d]`` replicated -> ``[b, s, d]`` replicated; GELU(0) = 0 keeps padding at 0."""
+    return self.down(jax.nn.gelu(self.up(x_bsd)))
+
+
+class ParallelBlock(nnx.Module):
+  def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+    norm = dict(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
+    self.ln1 = nnx.LayerNorm(cfg.d_model, **norm)
+    self.attn = ParallelAttention(cfg, mesh=mesh, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(cfg.d_model, **norm)
+    self.mlp = ParallelMLP(cfg, mesh=mesh, rngs=rngs)
+    self.cfg = cfg
+
+  def __call__(self, x_bsd, key, layer, rows):
+    rate = self.cfg.dropout
+    attn = self.attn(self.ln1(x_bsd), key, layer, rows)
+    x_bsd = x_bsd + ops.dropout(attn, ops.site_key(key, layer, ops.ATTN_OUT), rate, rows)
+    mlp = self.mlp(self.ln2(x_bsd))
+    return x_bsd + ops.dropout(mlp, ops.site_key(key, layer, ops.MLP_OUT), rate, rows)
+
+
+class Transformer(nnx.Module):
+  """tokens ``[b, s]`` -> logits, tensor-parallel over the mesh's ``"model"`` axis.
+
+  Inside ``shard_map`` over the mesh: tokens ``[b_local, s]`` (sharded over
+  ``"data"``, replicated over ``"model"``) -> this device's padded vocabulary
+  shard of the logits ``[b_local, s, vocab_pad]``.
+  Standalone: tokens ``[b, s]`` -> logits ``[b, s, vocab]`` (it maps itself,
+  batch sharded over ``"data"``), equal to ``ReferenceTransformer``'s.
+  """
+
+  def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+    self.embed = flax_tp.VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, mesh=mesh,
+                                                dtype=cfg.compute_dtype, rngs=rngs)
+    self.blocks = nnx.List([ParallelBlock(cfg, mesh=mesh, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
+    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
+                              rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.head = flax_tp.ColumnParallelDense(cfg.d_model, cfg.vocab_size, use_bias=False,
+                                              gather_output=False, mesh=mesh,
+                                              dtype=cfg.compute_dtype, rngs=rngs)
+    flax_tp.replicate_on_mesh(self, mesh)  # the LayerNorms
+    self.cfg = cfg
+    self.mesh = mesh
+
+  @property
+  def vocab_layout(self) -> flax_tp.ShardLayout:
+    """How the logits' vocabulary dimension is split and padded."""
+    return self.embed.layout
+
+  def __call__(self, tokens_bs, *, dropout_key=None):
+    if not flax_tp.axis_is_bound(flax_tp.MODEL_AXIS):
+      return self._standalone(tokens_bs, dropout_key)
+    cfg = self.cfg
+    rows = _data_rows(tokens_bs.shape[0])
+    x = self.embed(tokens_bs)
+    x = ops.dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout, rows)
+    for layer, block in enumerate(self.blocks):
+      x = block(x, dropout_key, layer, rows)
+    x = flax_tp.copy_to_parallel(self.ln_f(x))
+    return self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
+
+  def _standalone(self, tokens_bs, dropout_key):
+    graphdef, state = nnx.split(self)
+    data = self.mesh.shape[flax_tp.DATA_AXIS]
+    if tokens_bs.shape[0] % data:
+      raise ValueError(f"batch {tokens_bs.shape[0]} is not divisible by the {data}-way "
+                       f"data axis of the mesh")
+    logits = jax.shard_map(
+        lambda s, t, k: nnx.merge(graphdef, s)(t, dropout_key=k), mesh=self.mesh,
+        in_specs=(nnx.get_partition_spec(state), P(flax_tp.DATA_AXIS), P()),
+        out_specs=P(flax_tp.DATA_AXIS, None, flax_tp.MODEL_AXIS),
+    )(state, tokens_bs, dropout_key)
+    return self.vocab_layout.unpad(logits, -1)

@@ -1,0 +1,114 @@
+"""One training step as data: a single shard_map for forward + backward, then optax.
+
+    tokens [B, S+1] sharded over "data"
+      -> shard_map over ("data", "model"):
+           Transformer on local shards -> local logits [b, S, vocab_pad]
+           -> vocab_parallel_cross_entropy -> this shard's share of the mean loss
+           -> jax.grad (Megatron's conjugate collectives come from check_vma)
+           -> the loss psum over "data" makes every param gradient an all-reduce
+              over "data" (the data-parallel gradient sum)
+      -> optax update on the global, sharded params (elementwise, stays sharded)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import flax_tp
+from models.transformer import Transformer
+
+
+def make_optimizer(*, lr: float, steps: int, warmup_steps: int = 0, weight_decay: float = 0.1,
+                   grad_clip: float = 1.0) -> optax.GradientTransformation:
+  """AdamW with linear warm-up and cosine decay to 10%; no decay on biases or norms."""
+  warmup_steps = min(warmup_steps, max(steps - 1, 0))
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0 if warmup_steps else lr, lr, warmup_steps, max(steps, warmup_steps + 1), lr * 0.1)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask)
+  return optax.chain(optax.clip_by_global_norm(grad_clip), adamw) if grad_clip > 0 else adamw
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+  label_smoothing: float = 0.0
+  z_loss: float = 0.0
+
+
+class Trainer:
+  """Compiled train and eval steps for one model on its mesh.
+
+  ``params`` is the model's ``nnx.Param`` state (global arrays sharded as the
+  layers placed them); the steps take and return it functionally.
+  """
+
+  def __init__(self, model: Transformer, tx: optax.GradientTransformation,
+               loss: LossOptions = LossOptions()):
+    self.graphdef, self.params, rest = nnx.split(model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+      raise ValueError(f"the model holds non-Param state the step would drop: {rest}")
+    self.mesh = model.mesh
+    self.cfg = model.cfg
+    self.tx = tx
+    self.loss_options = loss
+    self.specs = nnx.get_partition_spec(self.params)
+    self.batch_sharding = NamedSharding(self.mesh, P(flax_tp.DATA_AXIS))
+    self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1))
+    self.eval_step = jax.jit(self._eval_loss)
+
+  def init_opt_state(self, params: nnx.State) -> Any:
+    # Eager on purpose: zeros_like keeps each param's sharding, so the moments
+    # are sharded (and padded) exactly like the params. Scalars (step counts) are
+    # replicated on the mesh, not left on one device.
+    replicated = NamedSharding(self.mesh, P())
+
+    def on_mesh(x):
+      if isinstance(x, jax.Array) and not (isinstance(x.sharding, NamedSharding)
+                                           and x.sharding.mesh == self.mesh):
+        return jax.device_put(x, replicated)
+      return x
+
+    return jax.tree.map(on_mesh, self.tx.init(params))
+
+  def model(self, params: nnx.State | None = None) -> Transformer:
+    return nnx.merge(self.graphdef, self.params if params is None else params)
+
+  # -- the step ----------------------------------------------------------------
+
+  def _local_loss(self, params: nnx.State, tokens: jax.Array, key: jax.Array | None):
+    """Mean loss over the *global* batch from this device's shard: summed over "data"."""
+    model = nnx.merge(self.graphdef, params)
+    logits = model(tokens[:, :-1], dropout_key=key)
+    per_token = flax_tp.vocab_parallel_cross_entropy(
+        logits, tokens[:, 1:], vocab_size=self.cfg.vocab_size,
+        label_smoothing=self.loss_options.label_smoothing, z_loss=self.loss_options.z_loss)
+    global_count = per_token.size * jax.lax.axis_size(flax_tp.DATA_AXIS)
+    return jax.lax.psum(per_token.sum() / global_count, flax_tp.DATA_AXIS)
+
+  def _map(self, fn: Callable, out_specs: Any) -> Callable:
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs, P(flax_tp.DATA_AXIS), P()),
+                         out_specs=out_specs)
+
+  def loss_and_grads(self, params, tokens, key=None):
+    """(loss, grads) of the mean next-token loss; grads sharded like params."""
+    return self._map(jax.value_and_grad(self._local_loss), (P(), self.specs))(
+        params, tokens, key)
+
+  def _train_step(self, params, opt_state, tokens, key):
+    loss, grads = self.loss_and_grads(params, tokens, key)
+    updates, opt_state = self.tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+  def _eval_loss(self, params, tokens):
+    return self._map(self._local_loss, P())(params, tokens, None)
+
+
