@@ -106,7 +106,7 @@ class Trainer:
     loss, grads = self.loss_and_grads(params, tokens, key)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
   def _eval_loss(self, params, tokens):
     return self._map(self._local_loss, P())(params, tokens, None)

@@ -1,0 +1,108 @@
+"""Auditing the collectives of a compiled computation.
+
+``collectives(compiled.as_text(), mesh)`` lists every all-reduce, all-gather,
+reduce-scatter, collective-permute and all-to-all in optimized HLO, with the
+bytes it moves per device and the mesh axes it spans, so that a test or a
+benchmark can check that a step communicates exactly what Megatron's scheme
+says and nothing more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+
+import numpy as np
+from jax.sharding import Mesh
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_OP = re.compile(r"=\s*(?P<shape>.*?)\s(?P<kind>" + "|".join(KINDS) + r")(?:-start)?\(")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  kind: str
+  operands: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, shape) of each result
+  bytes: int  # result bytes per device
+  axes: tuple[str, ...]  # mesh axes the replica groups span ("?" if unknown)
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+  bits = _BITS.get(dtype) or int(dtype[1:])
+  return int(np.prod(shape, dtype=np.int64)) * bits // 8
+
+
+def _groups(line: str) -> list[tuple[int, ...]] | None:
+  explicit = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
+  if explicit:
+    return [tuple(int(i) for i in g.split(",") if i)
+            for g in re.findall(r"\{([\d,]*)\}", explicit[1])]
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+  if iota:
+    dims = [int(d) for d in iota[3].split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if iota[4]:
+      ids = ids.transpose([int(p) for p in iota[4].split(",")])
+    return [tuple(g) for g in ids.reshape(int(iota[1]), int(iota[2])).tolist()]
+  named = re.search(r"replica_groups=mesh\[([^\]]*)\], device_ids=\(\[([\d,]+)\]"
+                    r"(?:T\(([\d,]+)\))?\) \{([^}]*)\}", line)
+  if named:  # a mesh of named axes over iota device ids; groups span the listed axes
+    sizes = [int(n) for n in re.findall(r"=(\d+)", named[1])]
+    names = re.findall(r"'([^']+)'=", named[1])
+    dims = [int(d) for d in named[2].split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if named[3]:
+      ids = ids.transpose([int(p) for p in named[3].split(",")])
+    ids = ids.reshape(sizes)
+    spanned = [names.index(a) for a in re.findall(r"'([^']+)'", named[4])]
+    kept = [a for a in range(len(sizes)) if a not in spanned]
+    ids = np.moveaxis(ids, kept, list(range(len(kept))))
+    return [tuple(g.ravel().tolist())
+            for g in ids.reshape(-1, int(np.prod([sizes[a] for a in spanned])))]
+  return None
+
+
+def _axes(groups: list[tuple[int, ...]] | None, mesh: Mesh) -> tuple[str, ...]:
+  """Which mesh axes a set of replica groups spans (positions in ``mesh.devices``)."""
+  if groups is None:
+    return ("?",)
+  wanted = {frozenset(g) for g in groups}
+  index = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+  names = mesh.axis_names
+  for r in range(1, len(names) + 1):
+    for axes in itertools.combinations(range(len(names)), r):
+      others = [a for a in range(len(names)) if a not in axes]
+      moved = np.moveaxis(index, others, list(range(len(others))))
+      expected = {frozenset(g.ravel().tolist())
+                  for g in moved.reshape(-1, *[mesh.devices.shape[a] for a in axes])}
+      if expected == wanted:
+        return tuple(names[a] for a in axes)
+  return ("?",)
+
+
+def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
+  """Every collective in optimized HLO text (``jax.jit(f).lower(...).compile().as_text()``)."""
+  found = []
+  for line in hlo_text.splitlines():
+    match = _OP.search(line)
+    if not match or "-done(" in line:
+      continue
+    operands = tuple((dtype, tuple(int(d) for d in dims.split(",") if d))
+                     for dtype, dims in _ARRAY.findall(match["shape"]))
+    found.append(Collective(match["kind"], operands, sum(_nbytes(*o) for o in operands),
+                            _axes(_groups(line), mesh)))
+  return found
+
+
+def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
+  """``{"all-reduce@model": {"ops": n, "tensors": t, "bytes": b}, ...}``."""
+  out: dict[str, dict[str, int]] = {}
+  for c in found:
+    row = out.setdefault(f"{c.kind}@{'+'.join(c.axes)}", {"ops": 0, "tensors": 0, "bytes": 0})
+    row["ops"] += 1
+    row["tensors"] += len(c.operands)
+    row["bytes"] += c.bytes
+  return out

@@ -1,0 +1,5 @@
+"""Errors the training CLI reports as one line (no jax import here)."""
+
+
+class UsageError(Exception):
+  """Bad input (flags, mesh, data, checkpoint): one line on stderr, exit status 2."""

@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Train the tensor-parallel transformer on a ("data", "model") mesh.
+
+    python train/run.py --mesh 2x4
+
+On the CPU platform the simulated devices the mesh needs are provided here,
+before JAX starts (unless XLA_FLAGS already sets a device count, which is then
+respected); on a GPU/TPU host the real devices are used. Bad input exits with
+status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+  sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from models.config import TransformerConfig  # noqa: E402  (no jax work at import)
+from train.errors import UsageError  # noqa: E402
+
+DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=128, lr=3e-3,
+                warmup_steps=40, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
+                dtype="float32", seed=0, eval_every=100, checkpoint_every=0,
+                sample_prompt="def ", sample_length=200)
+EVAL_BATCHES = 4
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # one line, not usage + traceback
+    raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  d = DEFAULTS
+  p = _Parser(prog="train/run.py", description=__doc__.split("\n\n")[0],
+              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--mesh", default=d["mesh"],
+                 help="DxM: D-way data parallel by M-way tensor (model) parallel")
+  p.add_argument("--preset", default=d["preset"], choices=TransformerConfig.preset_names(),
+                 help="model size: 'tiny' for tests, 'small' trains usefully on a CPU")
+  p.add_argument("--steps", type=int, default=d["steps"], help="total optimizer steps")
+  p.add_argument("--batch-size", type=int, default=d["batch_size"],
+                 help="global batch (sequences per step), split over the data axis")
+  p.add_argument("--seq-len", type=int, default=d["seq_len"], help="tokens (bytes) per sequence")
+  p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (AdamW)")
+  p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"],
+                 help="linear warm-up steps, then cosine decay to 10%% of --lr")
+  p.add_argument("--weight-decay", type=float, default=d["weight_decay"],
+                 help="AdamW decoupled weight decay (matrices only)")
+  p.add_argument("--grad-clip", type=float, default=d["grad_clip"],
+                 help="clip gradients to this global norm (0: off)")
+  p.add_argument("--dropout", type=float, default=d["dropout"],
+                 help="dropout rate; masks do not depend on the mesh")
+  p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"],
+                 help="compute dtype (params and optimizer state stay float32)")
+  p.add_argument("--seed", type=int, default=d["seed"],
+                 help="seeds init, data order and dropout")
+  p.add_argument("--data", default=None,
+                 help="a text file or a folder of them (default: the Python standard "
+                      "library's source, found through sysconfig)")
+  p.add_argument("--eval-every", type=int, default=d["eval_every"],
+                 help="held-out loss every N steps (0: only at the end)")
+  p.add_argument("--checkpoint-dir", default=None,
+                 help="where to write checkpoints (logical arrays: restore on any mesh)")
+  p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
+                 help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir")
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the latest checkpoint in --checkpoint-dir, on any mesh")
+  p.add_argument("--metrics-file", default=None, help="append one JSON line per step here")
+  p.add_argument("--sample-prompt", default=d["sample_prompt"],
+                 help="prompt for the text sample printed at the end")
+  p.add_argument("--sample-length", type=int, default=d["sample_length"],
+                 help="bytes to generate at the end (0: no sample)")
+  return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+  positive = ("steps", "batch_size", "seq_len")
+  for name in positive:
+    if getattr(args, name) < 1:
+      raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  for name in ("warmup_steps", "eval_every", "checkpoint_every", "sample_length"):
+    if getattr(args, name) < 0:
+      raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+  if not (args.lr > 0 and math.isfinite(args.lr)):
+    raise UsageError(f"--lr must be a positive number, got {args.lr}")
+  if args.weight_decay < 0 or args.grad_clip < 0:
+    raise UsageError("--weight-decay and --grad-clip must be >= 0")
+  if not 0.0 <= args.dropout < 1.0:
+    raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+  if args.resume and not args.checkpoint_dir:
+    raise UsageError("--resume needs --checkpoint-dir")
+  if args.checkpoint_every and not args.checkpoint_dir:
+    raise UsageError("--checkpoint-every needs --checkpoint-dir")
+  if args.data is not None and not Path(args.data).exists():
+    raise UsageError(f"--data {args.data!r} does not exist")
+
+
+def provide_cpu_devices(count: int) -> None:
+  """Asks XLA's CPU platform for ``count`` devices unless the user chose a number."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+  try:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    from flax_tp.mesh import parse_mesh_spec
+    try:
+      data, model = parse_mesh_spec(args.mesh)
+    except ValueError as err:
+      raise UsageError(str(err)) from None
+    provide_cpu_devices(data * model)
+    from train.loop import run  # imports jax: after the device count is set
+    return run(args)
+  except UsageError as err:
+    print(f"train/run.py: error: {err}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
