@@ -110,18 +110,34 @@ class Checkpointer:
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     self._manager.wait_until_finished()
 
-  def restore(self, like: dict[str, Any], step: int | None = None) -> tuple[dict[str, Any], dict]:
-    """Restores the trees named in ``like`` onto their shardings; returns (trees, meta)."""
+  def read_meta(self, step: int | None = None) -> dict[str, Any]:
+    """The JSON metadata saved with ``step`` (default: the latest), without the arrays."""
+    step = self._step(step)
+    try:
+      meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    except Exception as err:
+      raise self._unreadable(step, err) from err
+    return dict(meta["meta"])
+
+  def _step(self, step: int | None) -> int:
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f"no checkpoint found in {str(self.directory)!r}")
+    return step
+
+  def _unreadable(self, step: int, err: Exception) -> CheckpointError:
+    first_line = str(err).splitlines()[0] if str(err) else ""
+    return CheckpointError(f"cannot read checkpoint step {step} in {str(self.directory)!r}: "
+                           f"{type(err).__name__}: {first_line}")
+
+  def restore(self, like: dict[str, Any], step: int | None = None) -> tuple[dict[str, Any], dict]:
+    """Restores the trees named in ``like`` onto their shardings; returns (trees, meta)."""
+    step = self._step(step)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
     except Exception as err:  # orbax raises many types for unreadable data
-      raise CheckpointError(
-          f"cannot read checkpoint step {step} in {str(self.directory)!r}: "
-          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
+      raise self._unreadable(step, err) from err
     state = restored["state"]
     missing = sorted(set(like) - set(state))
     if missing:

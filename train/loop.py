@@ -83,6 +83,7 @@ class MetricsWriter:
 
 def run(args: argparse.Namespace) -> int:
   console = Console(quiet=not is_main_process(), highlight=False, soft_wrap=True)
+  errors = Console(stderr=True, highlight=False, soft_wrap=True)
   try:
     mesh = flax_tp.make_mesh(args.mesh)
   except ValueError as err:
@@ -113,13 +114,14 @@ def run(args: argparse.Namespace) -> int:
     if checkpointer.latest_step() is None:
       raise UsageError(f"--resume: no checkpoint in {args.checkpoint_dir!r}")
     try:
+      meta = checkpointer.read_meta()
+      if meta.get("config") != run_meta["config"]:
+        raise UsageError(f"checkpoint in {args.checkpoint_dir!r} was written for another model "
+                         f"config ({meta.get('config')}); pass the same --preset/--seq-len/"
+                         "--dropout/--dtype")
       restored, meta = checkpointer.restore({"params": params, "opt_state": opt_state})
     except CheckpointError as err:
       raise UsageError(str(err)) from None
-    if meta.get("config") != run_meta["config"]:
-      raise UsageError(f"checkpoint in {args.checkpoint_dir!r} was written for another model "
-                       f"config ({meta.get('config')}); pass the same --preset/--seq-len/"
-                       "--dropout/--dtype")
     params, opt_state, start = restored["params"], restored["opt_state"], int(meta["step"])
 
   summary = param_summary(params)
@@ -175,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
           last = checkpointer.latest_step() if checkpointer else None
           kept = (f"last good checkpoint: step {last} in {args.checkpoint_dir}" if last is not None
                   else "no checkpoint was written")
-          console.print(f"[red]error:[/red] loss is {loss} at step {step + 1}; stopping ({kept})")
+          progress.stop()
+          errors.print(f"error: loss is {loss} at step {step + 1}; stopping ({kept})",
+                       markup=False)
           metrics.write({"step": step + 1, "loss": loss, "error": "non-finite loss"})
           return 1
         params, opt_state = new_params, new_opt_state

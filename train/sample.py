@@ -19,7 +19,7 @@ def make_next_logits(trainer):
   gathered, never the ``[S, vocab]`` logits.
   """
   graphdef, specs = trainer.graphdef, trainer.specs
-  layout = trainer.model().vocab_layout
+  layout = flax_tp.ShardLayout(trainer.cfg.vocab_size, trainer.mesh.shape[flax_tp.MODEL_AXIS])
 
   def local(params, window, position):
     logits = nnx.merge(graphdef, params)(window)  # [1, S, vocab_pad] vocab-sharded

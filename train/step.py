@@ -78,8 +78,9 @@ class Trainer:
 
     return jax.tree.map(on_mesh, self.tx.init(params))
 
-  def model(self, params: nnx.State | None = None) -> Transformer:
-    return nnx.merge(self.graphdef, self.params if params is None else params)
+  def model(self, params: nnx.State) -> Transformer:
+    """The module view of ``params`` (``self.params`` is donated by the first step)."""
+    return nnx.merge(self.graphdef, params)
 
   # -- the step ----------------------------------------------------------------
 

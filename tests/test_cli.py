@@ -1,0 +1,78 @@
+"""train/run.py as a user runs it: a real process, exit codes, one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train.run import main
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = [sys.executable, str(ROOT / "train" / "run.py")]
+
+
+def env(**extra):
+  e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  e.update(JAX_PLATFORMS="cpu", **extra)
+  return e
+
+
+def test_help_documents_every_flag():
+  out = subprocess.run([*RUN, "--help"], capture_output=True, text=True, env=env(), timeout=120)
+  assert out.returncode == 0
+  for flag in ("--mesh", "--preset", "--steps", "--batch-size", "--seq-len", "--lr",
+               "--warmup-steps", "--weight-decay", "--grad-clip", "--dropout", "--dtype",
+               "--seed", "--data", "--eval-every", "--checkpoint-dir", "--checkpoint-every",
+               "--resume", "--metrics-file", "--sample-prompt"):
+    assert flag in out.stdout
+
+
+def test_a_few_steps_in_a_fresh_process(tmp_path):
+  """No XLA_FLAGS given: the script provides the 8 simulated devices itself."""
+  data = tmp_path / "data.txt"
+  data.write_text("def f(x):\n    return x + 1\n" * 400)
+  ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+  out = subprocess.run(
+      [*RUN, "--mesh", "2x4", "--preset", "tiny", "--steps", "3", "--batch-size", "4",
+       "--seq-len", "16", "--data", str(data), "--checkpoint-dir", str(ck),
+       "--metrics-file", str(metrics), "--sample-length", "8"],
+      capture_output=True, text=True, env=env(), timeout=300)
+  assert out.returncode == 0, out.stderr
+  assert "8 cpu device(s)" in out.stdout and "mesh 2x4 (data=2, model=4)" in out.stdout
+  assert "sample" in out.stdout and "done: 3 steps" in out.stdout
+  records = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+  assert (ck / "3").is_dir()
+
+
+def test_mesh_too_large_exits_2_with_one_line():
+  out = subprocess.run([*RUN, "--mesh", "3x3"], capture_output=True, text=True, timeout=120,
+                       env=env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+  assert out.returncode == 2
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in out.stderr
+  assert "'3x3' needs 9 devices, found 8" in lines[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mesh", "2x"], "bad mesh spec '2x'"),
+    (["--mesh", "0x4"], "bad mesh spec '0x4'"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "ten"], "invalid int value: 'ten'"),
+    (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--dtype", "float16"], "invalid choice: 'float16'"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--lr", "-1"], "--lr must be a positive number"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--data", "/no/such/file"], "does not exist"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--mesh", "2x4", "--batch-size", "3"], "--batch-size 3 is not divisible by the 2-way"),
+])
+def test_bad_flags_exit_2_with_one_line(capsys, argv, message):
+  assert main(argv) == 2
+  captured = capsys.readouterr()
+  assert captured.err.count("\n") == 1 and message in captured.err
+  assert captured.err.startswith("train/run.py: error: ")

@@ -1,0 +1,152 @@
+"""Training through the CLI's main(): mesh independence, dropout, resume, checkpoints."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_tp
+from flax_tp.checkpoint import Checkpointer
+from models.config import TransformerConfig
+from models.transformer import Transformer
+from train.run import main
+from train.step import Trainer, make_optimizer
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """A small text file (a few stdlib modules): quick to load, real Python."""
+  from train.data import read_corpus, stdlib_sources
+  path = tmp_path_factory.mktemp("data") / "corpus.py"
+  path.write_bytes(read_corpus(stdlib_sources()[:40], max_bytes=200_000))
+  return str(path)
+
+
+def train(tmp_path, corpus, name, *flags):
+  """Runs train/run.py in-process; returns the metrics records of the run."""
+  metrics = tmp_path / f"{name}.jsonl"
+  argv = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "16", "--eval-every", "0",
+          "--sample-length", "0", "--lr", "1e-2", "--warmup-steps", "1", "--data", corpus,
+          "--metrics-file", str(metrics), *flags]
+  assert main(argv) == 0
+  return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def losses(records, key="loss"):
+  return [r[key] for r in records if key in r]
+
+
+def test_same_losses_at_1x1_and_2x4(tmp_path, corpus):
+  one = train(tmp_path, corpus, "1x1", "--mesh", "1x1", "--steps", "4")
+  eight = train(tmp_path, corpus, "2x4", "--mesh", "2x4", "--steps", "4")
+  assert len(losses(one)) == 4
+  np.testing.assert_allclose(losses(eight), losses(one), rtol=1e-5)
+  np.testing.assert_allclose(losses(eight, "eval_loss"), losses(one, "eval_loss"), rtol=1e-5)
+  assert losses(one)[-1] < losses(one)[0]  # it trains
+
+
+def test_dropout_is_mesh_independent(tmp_path, corpus):
+  flags = ("--steps", "3", "--dropout", "0.2")
+  one = train(tmp_path, corpus, "d1", "--mesh", "1x1", *flags)
+  eight = train(tmp_path, corpus, "d8", "--mesh", "2x4", *flags)
+  np.testing.assert_allclose(losses(eight), losses(one), rtol=1e-5)
+  plain = train(tmp_path, corpus, "nodrop", "--mesh", "1x1", "--steps", "3")
+  assert abs(losses(one)[0] - losses(plain)[0]) > 1e-3  # dropout did change the loss
+
+
+def test_resume_after_interrupt_equals_uninterrupted(tmp_path, corpus):
+  full_dir = tmp_path / "full"
+  full = train(tmp_path, corpus, "full", "--mesh", "2x4", "--steps", "6",
+               "--checkpoint-every", "3", "--checkpoint-dir", str(full_dir))
+  assert sorted(p.name for p in full_dir.iterdir() if p.name.isdigit()) == ["3", "6"]
+  # A run killed after its step-3 checkpoint leaves exactly this folder behind.
+  stopped = tmp_path / "stopped"
+  stopped.mkdir()
+  shutil.copytree(full_dir / "3", stopped / "3")
+  resumed = train(tmp_path, corpus, "resumed", "--mesh", "2x4", "--steps", "6", "--resume",
+                  "--checkpoint-dir", str(stopped))
+  assert [r["step"] for r in resumed if "loss" in r] == [4, 5, 6]
+  assert losses(resumed) == losses(full)[3:]  # exactly
+
+  other = tmp_path / "other_mesh"
+  other.mkdir()
+  shutil.copytree(full_dir / "3", other / "3")
+  moved = train(tmp_path, corpus, "moved", "--mesh", "1x8", "--steps", "6", "--resume",
+                "--checkpoint-dir", str(other))
+  np.testing.assert_allclose(losses(moved), losses(full)[3:], rtol=1e-5)
+
+
+def test_checkpoint_moves_across_meshes_exactly(tmp_path, meshes):
+  """2x4 -> 1x8 -> 4x2 -> 1x1: params and optimizer state identical after each restore."""
+  cfg = TransformerConfig.tiny()
+  tokens = jax.random.randint(jax.random.key(0), (8, cfg.max_seq_len + 1), 0, cfg.vocab_size)
+  tx = make_optimizer(lr=1e-2, steps=10)
+
+  def trainer_on(spec, seed):
+    mesh = meshes.get(spec) or flax_tp.make_mesh(spec)
+    return Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed)), tx)
+
+  first = trainer_on("2x4", 0)
+  params, opt_state = first.params, first.init_opt_state(first.params)
+  params, opt_state, _ = first.train_step(params, opt_state,
+                                          jax.device_put(tokens, first.batch_sharding), None)
+  expected = {"params": flax_tp.unshard(params),
+              "mu": flax_tp.unshard(opt_state[1][0].mu)}
+  state = {"params": params, "opt_state": opt_state}
+  for step, spec in enumerate(["1x8", "4x2", "1x1"], start=1):
+    Checkpointer(tmp_path / "ck").save(step, state, {"step": step})
+    target = trainer_on(spec, seed=step + 10)  # different init: everything must be restored
+    like = {"params": target.params, "opt_state": target.init_opt_state(target.params)}
+    state, meta = Checkpointer(tmp_path / "ck").restore(like)
+    assert meta["step"] == step
+    got = {"params": flax_tp.unshard(state["params"]),
+           "mu": flax_tp.unshard(state["opt_state"][1][0].mu)}
+    for name in expected:
+      for a, b in zip(jax.tree.leaves(got[name]), jax.tree.leaves(expected[name])):
+        np.testing.assert_array_equal(a, b)
+    model_axis = target.mesh.shape["model"]
+    kernel = state["params"]["blocks"][0]["mlp"]["up"]["kernel"][...]
+    assert kernel.sharding.mesh == target.mesh
+    assert kernel.shape[1] == -(-cfg.d_ff // model_axis) * model_axis
+  # And it trains on the last mesh.
+  _, _, out = target.train_step(state["params"], state["opt_state"],
+                                jax.device_put(tokens, target.batch_sharding), None)
+  assert np.isfinite(float(out["loss"]))
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, capsys):
+  ck = tmp_path / "ck"
+  argv = ["--preset", "tiny", "--mesh", "1x2", "--batch-size", "8", "--seq-len", "16",
+          "--steps", "6", "--lr", "1e30", "--grad-clip", "0", "--warmup-steps", "0",
+          "--eval-every", "0", "--sample-length", "0", "--data", corpus,
+          "--checkpoint-dir", str(ck), "--checkpoint-every", "1"]
+  assert main(argv) == 1
+  err = capsys.readouterr().err
+  assert "loss is nan" in err or "loss is inf" in err
+  last = Checkpointer(ck).latest_step()
+  assert last is not None and f"last good checkpoint: step {last}" in err
+  assert not (ck / "6").exists()
+
+
+def test_bad_checkpoints_exit_2(tmp_path, corpus, capsys):
+  ck = tmp_path / "ck"
+  train(tmp_path, corpus, "a", "--mesh", "1x2", "--steps", "1", "--checkpoint-dir", str(ck))
+  capsys.readouterr()
+  base = ["--mesh", "1x2", "--batch-size", "8", "--seq-len", "16", "--steps", "2",
+          "--sample-length", "0", "--data", corpus, "--resume", "--checkpoint-dir", str(ck)]
+  assert main(["--preset", "small", *base]) == 2  # written for another model
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and "another model config" in err
+
+  for file in (ck / "1" / "state").rglob("*"):
+    if file.is_file():
+      file.write_bytes(b"garbage")
+  assert main(["--preset", "tiny", *base]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and "cannot read checkpoint step 1" in err
+
+  assert main(["--preset", "tiny", *base[:-1], str(tmp_path / "empty")]) == 2
+  assert "no checkpoint" in capsys.readouterr().err
