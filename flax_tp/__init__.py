@@ -1,6 +1,6 @@
 """flax_tp: Megatron-style tensor parallelism for Flax NNX."""
 
-from flax_tp.collectives import all_gather, all_reduce, axis_is_bound, copy_to_parallel, reduce_scatter
+from flax_tp.collectives import all_gather, all_reduce, axis_is_bound, copy_to_parallel, reduce_scatter, shard_index
 from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
 from flax_tp.linear import ColumnParallelDense, RowParallelDense
 from flax_tp.loss import vocab_parallel_cross_entropy
@@ -11,6 +11,6 @@ from flax_tp.state import load_unsharded, replicate_on_mesh, unshard
 __all__ = [
     "DATA_AXIS", "MODEL_AXIS", "ColumnParallelDense", "RowParallelDense", "ShardLayout",
     "all_gather", "all_reduce", "axis_is_bound", "copy_to_parallel", "load_unsharded",
-    "make_mesh", "ParallelEmbedding", "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parse_mesh_spec", "reduce_scatter", "replicate_on_mesh", "split_tensor_for_parallelism",
+    "make_mesh", "ParallelEmbedding", "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parse_mesh_spec", "reduce_scatter", "shard_index", "replicate_on_mesh", "split_tensor_for_parallelism",
     "unshard",
 ]

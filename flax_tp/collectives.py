@@ -11,6 +11,10 @@ They follow Megatron's pairing of forward and backward communication:
 - ``reduce_scatter``: backward is an all-gather.
 - ``copy_to_parallel``: identity forward; backward all-reduces the cotangent.
   This is Megatron's ``f`` operator, entered once before column-parallel layers.
+
+On an axis of size 1 nothing needs communicating, and XLA does not always drop
+a collective over one device, so a replicated value passes through unchanged
+(no collective is emitted at all).
 """
 
 from __future__ import annotations
@@ -42,6 +46,21 @@ def is_varying(x: jax.Array, axis_name: str) -> bool:
   return axis_name in jax.typeof(x).manual_axis_type.varying
 
 
+def shard_index(axis_name: str = MODEL_AXIS) -> jax.Array | int:
+  """This device's position along ``axis_name``; the constant 0 on a one-device axis.
+
+  ``jax.lax.axis_index`` makes anything computed from it differ per device,
+  which would turn reductions over a one-device axis into real collectives.
+  """
+  _require_bound(axis_name, "shard_index")
+  return 0 if jax.lax.axis_size(axis_name) == 1 else jax.lax.axis_index(axis_name)
+
+
+def _is_trivial(x: jax.Array, axis_name: str) -> bool:
+  """True when reducing ``x`` over the axis is the identity: one device, same value."""
+  return jax.lax.axis_size(axis_name) == 1 and not is_varying(x, axis_name)
+
+
 def copy_to_parallel(x: jax.Array, axis_name: str = MODEL_AXIS) -> jax.Array:
   """Marks a replicated ``x`` as input to per-device work (Megatron's ``f``).
 
@@ -51,6 +70,10 @@ def copy_to_parallel(x: jax.Array, axis_name: str = MODEL_AXIS) -> jax.Array:
   not one per layer. A no-op on values that already vary along the axis.
   """
   _require_bound(axis_name, "copy_to_parallel")
+  return x if jax.lax.axis_size(axis_name) == 1 else _vary(x, axis_name)
+
+
+def _vary(x: jax.Array, axis_name: str) -> jax.Array:
   return x if is_varying(x, axis_name) else jax.lax.pcast(x, axis_name, to="varying")
 
 
@@ -64,7 +87,9 @@ def all_reduce(x: jax.Array, op: str = "sum", axis_name: str = MODEL_AXIS) -> ja
   if op not in _OPS:
     raise ValueError(f"unknown all_reduce op {op!r}; expected one of {_OPS}")
   _require_bound(axis_name, f"all_reduce(op={op!r})")
-  x = copy_to_parallel(x, axis_name)
+  if _is_trivial(x, axis_name):
+    return x
+  x = _vary(x, axis_name)
   if op == "sum":
     return jax.lax.psum(x, axis_name)
   if op == "mean":
@@ -101,7 +126,9 @@ def all_gather(x: jax.Array, axis: int = 0, axis_name: str = MODEL_AXIS) -> jax.
   Backward keeps each device's slice of the cotangent, with no communication.
   """
   _require_bound(axis_name, "all_gather")
-  x = copy_to_parallel(x, axis_name)
+  if _is_trivial(x, axis_name):
+    return x
+  x = _vary(x, axis_name)
   return jax.lax.all_gather(x, axis_name, axis=axis % x.ndim, tiled=True, to="invarying")
 
 
@@ -118,5 +145,7 @@ def reduce_scatter(x: jax.Array, axis: int = 0, axis_name: str = MODEL_AXIS) -> 
         f"reduce_scatter: dimension {axis} of size {x.shape[axis]} is not divisible "
         f"by the size {size} of axis {axis_name!r}; pad it first (see ShardLayout)"
     )
-  x = copy_to_parallel(x, axis_name)
+  if _is_trivial(x, axis_name):
+    return x
+  x = _vary(x, axis_name)
   return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis % x.ndim, tiled=True)

@@ -17,7 +17,7 @@ from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_embed_init
 from jax.sharding import Mesh, PartitionSpec as P
 
-from flax_tp.collectives import all_gather, copy_to_parallel
+from flax_tp.collectives import all_gather, all_reduce, copy_to_parallel, shard_index
 from flax_tp.layer import ParallelModule
 from flax_tp.linear import split_local
 from flax_tp.mesh import MODEL_AXIS
@@ -95,12 +95,12 @@ class VocabParallelEmbedding(_ParallelEmbed):
       ids = jnp.zeros_like(ids)
     ids = jnp.where(ids < 0, ids + vocab, ids)  # negative ids wrap, as in jnp.take
     valid = (ids >= 0) & (ids < vocab)
-    index = jax.lax.axis_index(self.axis_name)
+    index = shard_index(self.axis_name)
     local = ids - jnp.asarray(layout.offsets)[index]
     mine = (local >= 0) & (local < jnp.asarray(layout.sizes)[index])
     rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
     rows = jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
-    out = jax.lax.psum(copy_to_parallel(rows, self.axis_name), self.axis_name)
+    out = all_reduce(rows, "sum", self.axis_name)
     # jnp.take (hence nnx.Embed) fills rows of out-of-range ids with NaN.
     return jnp.where(valid[..., None], out, jnp.full((), jnp.nan, out.dtype))
 
@@ -169,4 +169,4 @@ class ParallelEmbedding(_ParallelEmbed):
     table = masked(table, self.layout, 1, self.axis_name)
     query, table = self.promote_dtype((query, table), dtype=self.dtype)
     partial = jnp.dot(split_local(query, self.layout, self.axis_name), table.T)
-    return jax.lax.psum(copy_to_parallel(partial, self.axis_name), self.axis_name)
+    return all_reduce(partial, "sum", self.axis_name)

@@ -47,12 +47,12 @@ def _groups(line: str) -> list[tuple[int, ...]] | None:
     if iota[4]:
       ids = ids.transpose([int(p) for p in iota[4].split(",")])
     return [tuple(g) for g in ids.reshape(int(iota[1]), int(iota[2])).tolist()]
-  named = re.search(r"replica_groups=mesh\[([^\]]*)\], device_ids=\(\[([\d,]+)\]"
-                    r"(?:T\(([\d,]+)\))?\) \{([^}]*)\}", line)
+  named = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
+                    r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}", line)
   if named:  # a mesh of named axes over iota device ids; groups span the listed axes
     sizes = [int(n) for n in re.findall(r"=(\d+)", named[1])]
     names = re.findall(r"'([^']+)'=", named[1])
-    dims = [int(d) for d in named[2].split(",")]
+    dims = [int(d) for d in named[2].split(",")] if named[2] else sizes
     ids = np.arange(int(np.prod(dims))).reshape(dims)
     if named[3]:
       ids = ids.transpose([int(p) for p in named[3].split(",")])
@@ -97,12 +97,21 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
   return found
 
 
-def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
-  """``{"all-reduce@model": {"ops": n, "tensors": t, "bytes": b}, ...}``."""
+def tally(found: list[Collective]) -> dict[str, dict[str, int]]:
+  """Per ``"kind@axes"``: ops, and tensors/bytes split into arrays and scalars.
+
+  XLA packs independent collectives over the same devices into one op, so ops
+  undercount; tensors count each reduced array once. Scalars are kept apart:
+  in a train step they are bookkeeping (gradient clipping's partial norms, the
+  loss), not activations or gradients.
+  """
   out: dict[str, dict[str, int]] = {}
   for c in found:
-    row = out.setdefault(f"{c.kind}@{'+'.join(c.axes)}", {"ops": 0, "tensors": 0, "bytes": 0})
+    row = out.setdefault(f"{c.kind}@{'+'.join(c.axes)}", dict.fromkeys(
+        ("ops", "tensors", "bytes", "scalars", "scalar_bytes"), 0))
     row["ops"] += 1
-    row["tensors"] += len(c.operands)
-    row["bytes"] += c.bytes
+    for dtype, shape in c.operands:
+      kind = "scalar" if shape == () else "tensor"
+      row["scalars" if kind == "scalar" else "tensors"] += 1
+      row["scalar_bytes" if kind == "scalar" else "bytes"] += _nbytes(dtype, shape)
   return out

@@ -52,7 +52,7 @@ class ParallelModule(nnx.Module):
 
   def _spec(self, ndim: int, dim: int | None) -> P:
     """Spec of a rank-``ndim`` array split over the model axis on ``dim``."""
-    return P(*partition_names(ndim, dim, self.axis_name))
+    return P(*partition_names(ndim, dim, self.axis_name, self.parallel_size))
 
 
 def param_spec(param: nnx.Param | None) -> P | None:

@@ -16,7 +16,7 @@ from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from jax.sharding import Mesh, PartitionSpec as P
 
-from flax_tp.collectives import all_gather, copy_to_parallel
+from flax_tp.collectives import all_gather, all_reduce, copy_to_parallel, shard_index
 from flax_tp.layer import ParallelModule
 from flax_tp.mesh import MODEL_AXIS
 from flax_tp.partition import ShardLayout
@@ -177,7 +177,7 @@ class RowParallelDense(_ParallelDense):
     y, bias = self._matmul(x, kernel, None if bias is None else bias)
     # Sum the partial products first, then add the bias once: adding it before
     # the reduce would count it parallel_size times.
-    y = jax.lax.psum(copy_to_parallel(y, self.axis_name), self.axis_name)
+    y = all_reduce(y, "sum", self.axis_name)
     return y if bias is None else y + bias
 
 
@@ -185,6 +185,6 @@ def split_local(x: Array, layout: ShardLayout, axis_name: str) -> Array:
   """This device's padded slice ``[..., padded_size]`` of a replicated ``x [..., size]``."""
   if x.shape[-1] != layout.size:
     raise ValueError(f"expected last dimension {layout.size}, got {x.shape[-1]}")
-  index = jax.lax.axis_index(axis_name)
+  index = shard_index(axis_name)
   return jax.lax.dynamic_slice_in_dim(layout.pad(x, -1), index * layout.padded_size,
                                       layout.padded_size, axis=-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_tp.collectives import axis_is_bound, copy_to_parallel
+from flax_tp.collectives import all_reduce, axis_is_bound, shard_index
 from flax_tp.mesh import MODEL_AXIS
 from flax_tp.partition import ShardLayout
 
@@ -48,20 +48,18 @@ def vocab_parallel_cross_entropy(
         f"local_logits has {local_logits.shape[-1]} vocabulary columns, expected "
         f"{layout.padded_size} (vocab_size={vocab} over {parts} devices, padded)"
     )
-  index = jax.lax.axis_index(axis_name) if sharded else 0
+  index = shard_index(axis_name) if sharded else 0
 
   def reduce(x, op):
-    if not sharded:
-      return x
-    return op(copy_to_parallel(x, axis_name), axis_name)
+    return all_reduce(x, op, axis_name) if sharded else x
 
   logits = local_logits.astype(jnp.float32)
   valid = layout.local_mask(index)
   logits_valid = jnp.where(valid, logits, -jnp.inf)
   # The max only stabilises the exponentials: lse is exact for any shift, so it
   # needs no derivative (and pmax has none).
-  shift = reduce(jax.lax.stop_gradient(jnp.max(logits_valid, axis=-1)), jax.lax.pmax)
-  sum_exp = reduce(jnp.sum(jnp.exp(logits_valid - shift[..., None]), axis=-1), jax.lax.psum)
+  shift = reduce(jax.lax.stop_gradient(jnp.max(logits_valid, axis=-1)), "max")
+  sum_exp = reduce(jnp.sum(jnp.exp(logits_valid - shift[..., None]), axis=-1), "sum")
   lse = shift + jnp.log(sum_exp)
 
   local_label = labels - jnp.asarray(layout.offsets)[index]
@@ -72,10 +70,10 @@ def vocab_parallel_cross_entropy(
   if label_smoothing:
     # One all-reduce carries both the target logit and the sum of all logits.
     total = jnp.sum(jnp.where(valid, logits, 0.0), axis=-1)
-    target, total = reduce(jnp.stack([target, total]), jax.lax.psum)
+    target, total = reduce(jnp.stack([target, total]), "sum")
     loss = lse - (1.0 - label_smoothing) * target - label_smoothing * total / vocab
   else:
-    loss = lse - reduce(target, jax.lax.psum)
+    loss = lse - reduce(target, "sum")
   if z_loss:
     loss = loss + z_loss * lse ** 2
   return loss

@@ -20,15 +20,22 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from flax_tp.collectives import shard_index
 from flax_tp.partition import ShardLayout
 
 Initializer = Callable[..., jax.Array]
 
 
-def partition_names(ndim: int, dim: int | None, axis_name: str) -> tuple[str | None, ...]:
-  """Axis names of a rank-``ndim`` tensor split on ``dim`` (None: replicated)."""
+def partition_names(ndim: int, dim: int | None, axis_name: str,
+                    axis_size: int) -> tuple[str | None, ...]:
+  """Axis names of a rank-``ndim`` tensor split on ``dim`` (None: replicated).
+
+  On an axis of size 1 a split is the whole tensor, so it is named replicated:
+  the value then stays the same type on every device inside ``shard_map`` and
+  no collective over the one-device axis is ever emitted.
+  """
   names: list[str | None] = [None] * ndim
-  if dim is not None:
+  if dim is not None and axis_size > 1:
     names[dim % ndim] = axis_name
   return tuple(names)
 
@@ -52,7 +59,7 @@ def sharded_param(
   shard (``dim``) or a replica (``dim=None``).
   """
   full = init(key, shape, dtype)
-  names = partition_names(len(shape), dim, axis_name)
+  names = partition_names(len(shape), dim, axis_name, mesh.shape[axis_name])
   metadata: dict[str, Any] = {"out_sharding": names, "mesh": mesh}
   if dim is not None:
     layout = ShardLayout(shape[dim], mesh.shape[axis_name], unit)
@@ -166,7 +173,7 @@ def masked(param: jax.Array, layout: ShardLayout, dim: int, axis_name: str) -> j
   """
   if layout.is_even:
     return param
-  mask = layout.local_mask(jax.lax.axis_index(axis_name))
+  mask = layout.local_mask(shard_index(axis_name))
   shape = [1] * param.ndim
   shape[dim] = layout.padded_size
   return jnp.where(mask.reshape(shape), param, jnp.zeros((), param.dtype))

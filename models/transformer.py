@@ -30,7 +30,7 @@ def _data_rows(local_batch: int) -> jax.Array:
   """Global batch-row ids of this device's rows (for mesh-independent dropout)."""
   first = 0
   if flax_tp.axis_is_bound(flax_tp.DATA_AXIS):
-    first = jax.lax.axis_index(flax_tp.DATA_AXIS) * local_batch
+    first = flax_tp.shard_index(flax_tp.DATA_AXIS) * local_batch
   return first + jnp.arange(local_batch)
 
 
@@ -56,7 +56,7 @@ class ParallelAttention(nnx.Module):
     split = lambda t: t.reshape(b, s, local_heads, cfg.head_dim)
     q, k, v = split(self.q(x_bsd)), split(self.k(x_bsd)), split(self.v(x_bsd))
     q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
-    first_head = jnp.asarray(self.q.layout.offsets)[jax.lax.axis_index(self.q.axis_name)]
+    first_head = jnp.asarray(self.q.layout.offsets)[flax_tp.shard_index(self.q.axis_name)]
     heads = first_head // cfg.head_dim + jnp.arange(local_heads)
     # Padded heads have zero q, k, v, so their output is zero.
     out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),

@@ -1,0 +1,107 @@
+"""The contenders a flax_tp step is measured against, all on the same model and batch.
+
+- ``gspmd``: the plain-Flax reference model sharded the way Flax's docs teach:
+  Megatron-style partition specs as ``nnx.Param`` sharding metadata, the params
+  placed with ``nnx.get_named_sharding``, and XLA's partitioner inserting every
+  collective inside one ``jax.jit``.
+- ``data_parallel``: the reference model replicated, batch split over all devices.
+- ``single``: the reference model on one device, plain ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.config import TransformerConfig
+from models.reference import ReferenceTransformer, reference_loss
+
+# Megatron's layout written as specs: column-parallel kernels split their
+# outputs, row-parallel ones their inputs, the embedding its vocabulary.
+_RULES = {
+    ("embed", "embedding"): ("model", None),
+    ("q", "kernel"): (None, "model"), ("k", "kernel"): (None, "model"),
+    ("v", "kernel"): (None, "model"), ("q", "bias"): ("model",), ("k", "bias"): ("model",),
+    ("v", "bias"): ("model",), ("o", "kernel"): ("model", None),
+    ("up", "kernel"): (None, "model"), ("up", "bias"): ("model",),
+    ("down", "kernel"): ("model", None), ("head", "kernel"): (None, "model"),
+}
+
+
+def megatron_spec(path: tuple, ndim: int) -> tuple:
+  names = tuple(str(p) for p in path[-2:])
+  return _RULES.get(names, (None,) * ndim)
+
+
+def annotate(model: nnx.Module, mesh: Mesh, spec_fn: Callable[[tuple, int], tuple]) -> None:
+  """Adds sharding metadata to every param and places it accordingly (in place)."""
+  state = nnx.state(model, nnx.Param)
+  for path, var in nnx.to_flat_state(state):
+    var.set_metadata(out_sharding=spec_fn(path, var[...].ndim))
+  shardings = nnx.get_named_sharding(state, mesh)
+  nnx.update(model, jax.device_put(state, shardings))
+
+
+def make_step(graphdef, tx) -> Callable:
+  def step(params, opt_state, tokens):
+    loss, grads = jax.value_and_grad(
+        lambda p: reference_loss(nnx.merge(graphdef, p), tokens))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+class Peer:
+  """A compiled reference step with its params, optimizer state and batch sharding."""
+
+  def __init__(self, name: str, cfg: TransformerConfig, tx, mesh: Mesh | None,
+               spec_fn: Callable[[tuple, int], tuple] | None, seed: int = 0):
+    self.name = name
+    model = ReferenceTransformer(cfg, rngs=nnx.Rngs(seed))
+    if mesh is not None:
+      annotate(model, mesh, spec_fn)
+      self.batch_sharding = NamedSharding(mesh, P("data"))
+    else:
+      self.batch_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    self.graphdef, self.params = nnx.split(model, nnx.Param)
+    self.opt_state = tx.init(self.params)
+    out_shardings = None
+    if mesh is not None:
+      shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+      replicated = NamedSharding(mesh, P())
+      self.opt_state = jax.tree.map(
+          lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
+          self.opt_state)
+      out_shardings = (shardings(self.params), shardings(self.opt_state), replicated)
+    self.step = jax.jit(make_step(self.graphdef, tx), out_shardings=out_shardings,
+                        donate_argnums=(0, 1))
+
+  def state(self) -> tuple[Any, Any]:
+    return self.params, self.opt_state
+
+
+def _replicated(path: tuple, ndim: int) -> tuple:
+  return (None,) * ndim
+
+
+def gspmd(cfg, tx, mesh) -> Peer:
+  return Peer("gspmd", cfg, tx, mesh, megatron_spec)
+
+
+def data_parallel(cfg, tx, mesh) -> Peer:
+  """Every param replicated; the batch split over the "data" axis (use a Dx1 mesh)."""
+  return Peer("data_parallel", cfg, tx, mesh, _replicated)
+
+
+def single(cfg, tx) -> Peer:
+  return Peer("single", cfg, tx, None, None)
+
+
+def tokens_for(cfg: TransformerConfig, batch: int, seq: int, seed: int = 0) -> jax.Array:
+  return jax.random.randint(jax.random.key(seed), (batch, seq + 1), 0, cfg.vocab_size,
+                            dtype=jnp.int32)

@@ -1,0 +1,427 @@
+#!/usr/bin/env python
+"""flax_tp benchmarks: communication, speed and memory, measured side by side.
+
+    python bench/run.py                       # the full run recorded in BENCHMARKS.md
+    python bench/run.py --preset tiny --repeats 1 --meshes 2x4   # a quick smoke run
+
+Sections (each row of the table says which): the collective audit against
+Megatron's minimum; flax_tp against Flax's own GSPMD sharding and pure data
+parallelism; overhead at one device; memory; how the audit's bytes scale.
+Times are medians of interleaved repeats after warm-up; ratios compare
+contenders measured in the same run. Writes ``bench/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+  sys.path.insert(0, str(ROOT))
+
+DEVICES = 8
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
+  p.add_argument("--preset", default="small", choices=["tiny", "small"])
+  p.add_argument("--meshes", default="1x8,2x4,4x2,8x1", help="comma-separated DxM meshes")
+  p.add_argument("--repeats", type=int, default=7, help="timed steps per contender")
+  p.add_argument("--batch-size", type=int, default=32)
+  p.add_argument("--seq-len", type=int, default=128)
+  p.add_argument("--skip", default="", help="comma-separated sections to skip: "
+                 "audit,peers,overhead,memory,scaling,hostmem,device")
+  p.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
+  return p.parse_args(argv)
+
+
+# -- helpers ---------------------------------------------------------------------
+
+
+def bench_config(preset: str):
+  """The preset with 8 heads and sizes 8 divides, so that GSPMD can shard it on 8 devices."""
+  from models.config import TransformerConfig
+  base = TransformerConfig.preset(preset)
+  head_dim = max(2, (base.num_heads * base.head_dim) // 8 // 2 * 2)
+  return TransformerConfig.preset(preset, num_heads=8, head_dim=head_dim, vocab_size=256,
+                                  d_ff=-(-base.d_ff // 8) * 8)
+
+
+def compile_timed(jitted, *args) -> tuple[Any, float]:
+  t0 = time.perf_counter()
+  compiled = jitted.lower(*args).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def per_device_bytes(tree) -> int:
+  """Bytes device 0 holds for ``tree`` (its addressable shard of every array)."""
+  import jax
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
+             if isinstance(x, jax.Array))
+
+
+def interleaved_medians(steps: dict[str, Callable[[], None]], repeats: int,
+                        warmup: int = 2) -> dict[str, float]:
+  """Median seconds per step of each contender, timed in turn, round-robin."""
+  for fn in steps.values():
+    for _ in range(warmup):
+      fn()
+  times = {name: [] for name in steps}
+  for _ in range(repeats):
+    for name, fn in steps.items():
+      t0 = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t0)
+  return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+class Contender:
+  """A compiled train step that carries its own state from call to call."""
+
+  def __init__(self, name, compiled, state: tuple, tokens, extra: tuple = ()):
+    self.name, self.compiled, self.state, self.tokens, self.extra = (
+        name, compiled, state, tokens, extra)
+
+  def __call__(self) -> None:
+    import jax
+    out = self.compiled(*self.state, self.tokens, *self.extra)
+    self.state = out[:2]
+    jax.block_until_ready(out[2])
+
+
+def flax_tp_contender(cfg, mesh, tokens_host, tx):
+  import jax
+  from flax import nnx
+  from models.transformer import Transformer
+  from train.step import Trainer
+  trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)), tx)
+  params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
+  tokens = jax.device_put(tokens_host, trainer.batch_sharding)
+  compiled, seconds = compile_timed(trainer.train_step, params, opt_state, tokens, None)
+  return trainer, Contender("flax_tp", compiled, (params, opt_state), tokens, (None,)), seconds
+
+
+def peer_contender(peer, tokens_host):
+  import jax
+  tokens = jax.device_put(tokens_host, peer.batch_sharding)
+  compiled, seconds = compile_timed(peer.step, *peer.state(), tokens)
+  return Contender(peer.name, compiled, peer.state(), tokens), seconds
+
+
+# -- 1. the collective audit -------------------------------------------------------
+
+
+def megatron_minimum(cfg, data: int, model: int, batch: int, seq: int,
+                     local_param_bytes: int) -> dict[str, int]:
+  """Megatron TP + DP: the fewest collectives (count, bytes per device) a step needs.
+
+  Over "model", per block: 2 all-reduces of the activations [b, s, d] forward
+  (attention and MLP outputs) and 2 backward (their inputs' gradients); the
+  embedding's forward all-reduce and the tied LM head's input-gradient
+  all-reduce, both [b, s, d]; the loss's 3 [b, s] float32 reductions (max, sum
+  of exps, target logit). Over "data": one all-reduce of the local gradient
+  bytes (plus the 4-byte loss).
+  """
+  b = batch // data
+  act = b * seq * cfg.d_model * cfg.compute_dtype.itemsize
+  count = nbytes = 0
+  if model > 1:
+    count += 4 * cfg.num_layers + 2 + 3
+    nbytes += (4 * cfg.num_layers + 2) * act + 3 * b * seq * 4
+  if data > 1:
+    count += 1
+    nbytes += local_param_bytes + 4
+  return {"count": count, "bytes": nbytes}
+
+
+def audit_step(cfg, mesh, compiled, params, batch: int, seq: int) -> dict[str, Any]:
+  """Measured collectives of a compiled step against ``megatron_minimum``.
+
+  Counted: every array all-reduced over "model" (XLA may pack several into one
+  op) and every op over "data". Scalars over "model" are listed as excess.
+  """
+  from flax_tp.hlo import collectives, tally
+  rows = tally(collectives(compiled.as_text(), mesh))
+  model = rows.get("all-reduce@model", {})
+  data = rows.get("all-reduce@data", {})
+  count = model.get("tensors", 0) + data.get("ops", 0)
+  nbytes = model.get("bytes", 0) + data.get("bytes", 0) + data.get("scalar_bytes", 0)
+  minimum = megatron_minimum(cfg, mesh.shape["data"], mesh.shape["model"], batch, seq,
+                             per_device_bytes(params))
+  excess = []
+  if model.get("scalars"):
+    excess.append({"what": "all-reduce of scalars over model", "tensors": model["scalars"],
+                   "bytes": model["scalar_bytes"],
+                   "why": "gradient clipping: each param's partial squared norm (Megatron "
+                          "all-reduces the same); packed by XLA into one op"})
+  for key, row in rows.items():
+    if key not in ("all-reduce@model", "all-reduce@data"):
+      excess.append({"what": key, "tensors": row["tensors"] + row["scalars"],
+                     "bytes": row["bytes"] + row["scalar_bytes"], "why": "unexpected"})
+  return {
+      "measured": {"count": count, "bytes": nbytes}, "minimum": minimum,
+      "count_ratio": count / minimum["count"] if minimum["count"] else None,
+      "bytes_ratio": nbytes / minimum["bytes"] if minimum["bytes"] else None,
+      "excess": excess, "collectives": rows,
+  }
+
+
+# -- the run -----------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  skip = set(filter(None, args.skip.split(",")))
+  meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
+  os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  import flax_tp
+  from bench import peers
+  from train.step import make_optimizer
+
+  platform_name = jax.devices()[0].platform
+  cfg = bench_config(args.preset)
+  tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10)
+  tokens_host = np.asarray(peers.tokens_for(cfg, args.batch_size, args.seq_len))
+  results: dict[str, Any] = {
+      "command": "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+      "machine": {"cores": os.cpu_count(), "platform": platform_name,
+                  "devices": jax.device_count(), "jax": jax.__version__,
+                  "python": platform.python_version(), "processor": platform.machine()},
+      "config": {**cfg.__dict__, "batch_size": args.batch_size, "seq_len": args.seq_len},
+  }
+  rows: list[tuple[str, str, str]] = []  # (section, what, figure) for the table
+
+  def log(section: str, what: str, figure: str) -> None:
+    rows.append((section, what, figure))
+    print(f"{section:<9} {what:<58} {figure}", flush=True)
+
+  # 1 + 2 + 4: per mesh, flax_tp beside GSPMD (and data parallelism at Dx1).
+  if not {"audit", "peers"} <= skip:
+    results["meshes"] = {}
+    for spec in meshes:
+      mesh = flax_tp.make_mesh(spec)
+      trainer, mine, mine_compile = flax_tp_contender(cfg, mesh, tokens_host, tx)
+      entry: dict[str, Any] = {"flax_tp": {"compile_s": mine_compile}}
+      audit = audit_step(cfg, mesh, mine.compiled, mine.state[0], args.batch_size,
+                         args.seq_len)
+      entry["audit"] = audit
+      if "audit" not in skip:
+        log("audit", f"{spec}: collectives measured/minimum (count)",
+            f"{audit['measured']['count']}/{audit['minimum']['count']} = "
+            f"{audit['count_ratio'] or float('nan'):.2f}")
+        log("audit", f"{spec}: bytes per device measured/minimum",
+            f"{audit['measured']['bytes']:,}/{audit['minimum']['bytes']:,} = "
+            f"{audit['bytes_ratio'] or float('nan'):.3f}")
+        for ex in audit["excess"]:
+          log("audit", f"{spec}: excess: {ex['what']}",
+              f"{ex['tensors']} tensors, {ex['bytes']} B ({ex['why'].split(':')[0]})")
+      if "peers" not in skip:
+        contenders = {"flax_tp": mine}
+        model_axis = mesh.shape["model"]
+        gspmd = data_par = None
+        if model_axis > 1:
+          peer = peers.gspmd(cfg, tx, mesh)
+          gspmd, seconds = peer_contender(peer, tokens_host)
+          contenders["gspmd"] = gspmd
+          entry["gspmd"] = {"compile_s": seconds}
+        else:
+          peer = peers.data_parallel(cfg, tx, mesh)
+          data_par, seconds = peer_contender(peer, tokens_host)
+          contenders["data_parallel"] = data_par
+          entry["data_parallel"] = {"compile_s": seconds}
+        medians = interleaved_medians(contenders, args.repeats)
+        from flax_tp.hlo import collectives
+        for name, c in contenders.items():
+          stats = c.compiled.memory_analysis()
+          entry.setdefault(name, {}).update(
+              step_s=medians[name],
+              collective_bytes=sum(x.bytes for x in collectives(c.compiled.as_text(), mesh)),
+              param_bytes_per_device=per_device_bytes(c.state[0]),
+              opt_state_bytes_per_device=per_device_bytes(c.state[1]),
+              temp_bytes=stats.temp_size_in_bytes)
+        other = "gspmd" if gspmd is not None else "data_parallel"
+        a, b = entry["flax_tp"], entry[other]
+        for key, label in (("step_s", "step time"), ("compile_s", "compile time"),
+                           ("collective_bytes", "collective bytes"),
+                           ("param_bytes_per_device", "param bytes/device"),
+                           ("opt_state_bytes_per_device", "optimizer bytes/device"),
+                           ("temp_bytes", "compiled temp bytes")):
+          ratio = a[key] / b[key] if b[key] else float("nan")
+          fmt = (lambda v: f"{v * 1e3:.1f} ms") if key.endswith("_s") else (lambda v: f"{v:,}")
+          log("peers", f"{spec}: {label} flax_tp / {other}",
+              f"{fmt(a[key])} / {fmt(b[key])} = {ratio:.2f}")
+          entry.setdefault("ratios", {})[key] = ratio
+      results["meshes"][spec] = entry
+      del trainer, mine
+
+  # 3. overhead at one device.
+  if "overhead" not in skip:
+    mesh = flax_tp.make_mesh("1x1")
+    _, mine, _ = flax_tp_contender(cfg, mesh, tokens_host, tx)
+    ref, _ = peer_contender(peers.single(cfg, tx), tokens_host)
+    medians = interleaved_medians({"flax_tp": mine, "reference": ref}, args.repeats)
+    ratio = medians["flax_tp"] / medians["reference"]
+    log("overhead", "1x1 train step flax_tp / plain Flax (goal <= 1.05)",
+        f"{medians['flax_tp'] * 1e3:.1f} / {medians['reference'] * 1e3:.1f} ms = {ratio:.3f}")
+    layer_medians = dense_overhead(mesh, args.repeats)
+    layer_ratio = layer_medians["column"] / layer_medians["linear"]
+    log("overhead", "1x1 ColumnParallelDense / nnx.Linear forward (512->2048, 1024 rows)",
+        f"{layer_medians['column'] * 1e3:.2f} / {layer_medians['linear'] * 1e3:.2f} ms = "
+        f"{layer_ratio:.3f}")
+    results["overhead"] = {"step": {**medians, "ratio": ratio},
+                           "column_dense": {**layer_medians, "ratio": layer_ratio}}
+
+  # 4. memory: what each device holds against dense / M.
+  if "memory" not in skip:
+    results["memory"] = {}
+    for spec in meshes:
+      mem = memory_report(cfg, flax_tp.make_mesh(spec), tx)
+      results["memory"][spec] = mem
+      log("memory", f"{spec}: params+opt bytes/device vs dense/M (+replicated)",
+          f"{mem['per_device_bytes']:,} vs {mem['dense_over_m_bytes']:,} + "
+          f"{mem['replicated_bytes']:,} = {mem['ratio']:.3f}")
+  if "hostmem" not in skip:
+    results["host_memory"] = {}
+    for flag in ([], ["--reference"]):
+      out = subprocess.run([sys.executable, "-m", "bench.hostmem", *flag], cwd=ROOT,
+                           capture_output=True, text=True, check=True, env={
+                               **os.environ,
+                               "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"})
+      rec = json.loads(out.stdout.strip().splitlines()[-1])
+      results["host_memory"][rec["model"]] = rec
+      log("memory", f"build {rec['model']} ({rec['model_bytes'] / 2**20:.0f} MiB, largest "
+          f"param {rec['largest_param_bytes'] / 2**20:.0f} MiB): transient peak",
+          f"{rec['transient_bytes'] / 2**20:.1f} MiB = "
+          f"{rec['transient_bytes'] / rec['largest_param_bytes']:.2f} x largest param")
+
+  # 5. scaling shape of the audit's bytes.
+  if "scaling" not in skip and jax.device_count() >= 8:
+    results["scaling"] = scaling_report(args.preset, tx, log)
+
+  if "device" not in skip and platform_name == "gpu":
+    results["device"] = device_report(args.preset, args.repeats, log)
+
+  Path(args.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+  print(f"wrote {args.out}")
+  return 0
+
+
+def dense_overhead(mesh, repeats: int) -> dict[str, float]:
+  import jax
+  from flax import nnx
+  import flax_tp
+  x = jax.random.normal(jax.random.key(0), (1024, 512))
+  column = flax_tp.ColumnParallelDense(512, 2048, mesh=mesh, rngs=nnx.Rngs(0))
+  linear = nnx.Linear(512, 2048, rngs=nnx.Rngs(0))
+  fns = {}
+  for name, layer in (("column", column), ("linear", linear)):
+    graphdef, state = nnx.split(layer)
+    f = jax.jit(lambda s, x, g=graphdef: nnx.merge(g, s)(x))
+    xs = jax.device_put(x, state["kernel"][...].sharding)
+    fns[name] = lambda f=f, s=state, xs=xs: jax.block_until_ready(f(s, xs))
+  return interleaved_medians(fns, max(repeats, 5) * 4)
+
+
+def memory_report(cfg, mesh, tx) -> dict[str, Any]:
+  from flax import nnx
+  from models.transformer import Transformer
+  from train.step import Trainer
+  trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)), tx)
+  opt_state = trainer.init_opt_state(trainer.params)
+  per_device = per_device_bytes(trainer.params) + per_device_bytes(opt_state)
+  sharded_dense = replicated = 0
+  replicated_names = []
+  for path, var in nnx.to_flat_state(trainer.params):
+    layout = var.get_metadata().get("tp_layout")
+    nbytes = var[...].nbytes
+    if layout is None:
+      replicated += nbytes
+      replicated_names.append(".".join(map(str, path)))
+    else:
+      sharded_dense += nbytes // layout.padded_total * layout.size
+  # Adam keeps two moments per param: params + opt state = 3x the param bytes.
+  model_axis = mesh.shape["model"]
+  dense_over_m = 3 * sharded_dense // model_axis
+  replicated_total = 3 * replicated
+  return {"per_device_bytes": per_device, "dense_over_m_bytes": dense_over_m,
+          "replicated_bytes": replicated_total,
+          "ratio": per_device / (dense_over_m + replicated_total),
+          "replicated_params": sorted({n.split(".")[-2] + "." + n.split(".")[-1]
+                                       for n in replicated_names})}
+
+
+def scaling_report(preset: str, tx, log) -> list[dict[str, Any]]:
+  """Audit bytes at 2x4 as batch, sequence and width grow (compile only)."""
+  import numpy as np
+  import flax_tp
+  from bench import peers
+  base = bench_config(preset)
+  mesh = flax_tp.make_mesh("2x4")
+  points = []
+  for label, (batch, seq, width) in [("base", (16, 64, 128)), ("batch x2", (32, 64, 128)),
+                                     ("batch x4", (64, 64, 128)), ("seq x2", (16, 128, 128)),
+                                     ("seq x4", (16, 256, 128)), ("width x2", (16, 64, 256)),
+                                     ("width x4", (16, 64, 512))]:
+    cfg = type(base)(**{**base.__dict__, "d_model": width, "head_dim": width // 8,
+                        "d_ff": 4 * width, "num_layers": 2})
+    tokens = np.asarray(peers.tokens_for(cfg, batch, seq))
+    _, mine, _ = flax_tp_contender(cfg, mesh, tokens, tx)
+    audit = audit_step(cfg, mesh, mine.compiled, mine.state[0], batch, seq)
+    model_bytes = audit["collectives"].get("all-reduce@model", {}).get("bytes", 0)
+    per_bsd = model_bytes / (batch // 2 * seq * width)
+    points.append({"label": label, "batch": batch, "seq": seq, "d_model": width,
+                   "model_axis_bytes": model_bytes, "bytes_per_bsd": per_bsd,
+                   "bytes_ratio": audit["bytes_ratio"]})
+    log("scaling", f"2x4 {label} (b={batch}, s={seq}, d={width}): model-axis bytes",
+        f"{model_bytes:,} = {per_bsd:.2f} B per local b*s*d; measured/min "
+        f"{audit['bytes_ratio']:.3f}")
+  return points
+
+
+def device_report(preset: str, repeats: int, log) -> dict[str, Any]:
+  """One accelerator: step time and model FLOP utilisation of the default model."""
+  import jax
+  import numpy as np
+  import flax_tp
+  from bench import peers
+  from models.config import TransformerConfig
+  from train.step import make_optimizer
+  out = {"device": jax.devices()[0].device_kind}
+  peak = {"float32": 494e12, "bfloat16": 989e12}  # H100/H200 dense TF32 / BF16 datasheet
+  tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10)
+  mesh = flax_tp.make_mesh("1x1")
+  for dtype in ("float32", "bfloat16"):
+    for batch, seq in ((32, 128), (256, 512)):
+      cfg = TransformerConfig.preset(preset, dtype=dtype, max_seq_len=seq)
+      tokens = np.asarray(peers.tokens_for(cfg, batch, seq))
+      _, mine, _ = flax_tp_contender(cfg, mesh, tokens, tx)
+      ref, _ = peer_contender(peers.single(cfg, tx), tokens)
+      medians = interleaved_medians({"flax_tp": mine, "reference": ref}, max(repeats, 10))
+      params = sum(x.size for x in jax.tree.leaves(flax_tp.unshard(mine.state[0])))
+      # 6 N per token (forward + backward of every weight, the tied head included)
+      # plus attention's 12 L s d per token.
+      flops = batch * seq * (6 * params + 12 * cfg.num_layers * seq * cfg.d_model)
+      mfu = flops / medians["flax_tp"] / peak[dtype]
+      key = f"{dtype} b={batch} s={seq}"
+      out[key] = {**medians, "model_flops": flops, "mfu": mfu, "peak_flops": peak[dtype]}
+      log("device", f"{key}: step flax_tp / plain Flax; MFU",
+          f"{medians['flax_tp'] * 1e3:.2f} / {medians['reference'] * 1e3:.2f} ms; "
+          f"MFU {mfu * 100:.2f}%")
+  return out
+
+
+if __name__ == "__main__":
+  sys.exit(main())
