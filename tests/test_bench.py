@@ -1,0 +1,30 @@
+"""The benchmark script runs end to end (tiny preset, one repeat): a smoke test, no timings."""
+
+import json
+
+from bench.run import main, megatron_minimum
+from models.config import TransformerConfig
+
+
+def test_bench_smoke(tmp_path):
+  out = tmp_path / "results.json"
+  assert main(["--preset", "tiny", "--repeats", "1", "--meshes", "2x4,8x1",
+               "--skip", "hostmem,scaling", "--out", str(out)]) == 0
+  results = json.loads(out.read_text())
+  for spec in ("2x4", "8x1"):
+    audit = results["meshes"][spec]["audit"]
+    # The audit is exact: Megatron's minimum, nothing more (clipping's scalars aside).
+    assert audit["count_ratio"] == 1.0 and audit["bytes_ratio"] == 1.0, audit
+  assert results["meshes"]["2x4"]["gspmd"]["step_s"] > 0
+  assert results["meshes"]["8x1"]["data_parallel"]["step_s"] > 0
+  assert results["overhead"]["step"]["ratio"] > 0
+  assert abs(results["memory"]["2x4"]["ratio"] - 1.0) < 1e-9
+
+
+def test_minimum_formula():
+  cfg = TransformerConfig.tiny()
+  # 2 blocks: (4 * 2 + 2) activations of [4, 16, 24] float32 and 3 [4, 16] reductions.
+  minimum = megatron_minimum(cfg, data=2, model=4, batch=8, seq=16, local_param_bytes=100)
+  assert minimum == {"count": 4 * 2 + 5 + 1,
+                     "bytes": 10 * 4 * 16 * 24 * 4 + 3 * 4 * 16 * 4 + 100 + 4}
+  assert megatron_minimum(cfg, 1, 1, 8, 16, 100) == {"count": 0, "bytes": 0}
