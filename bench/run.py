@@ -336,6 +336,7 @@ def dense_overhead(mesh, repeats: int) -> dict[str, float]:
 
 
 def memory_report(cfg, mesh, tx) -> dict[str, Any]:
+  import jax
   from flax import nnx
   from models.transformer import Transformer
   from train.step import Trainer
@@ -355,7 +356,9 @@ def memory_report(cfg, mesh, tx) -> dict[str, Any]:
   # Adam keeps two moments per param: params + opt state = 3x the param bytes.
   model_axis = mesh.shape["model"]
   dense_over_m = 3 * sharded_dense // model_axis
-  replicated_total = 3 * replicated
+  # Plus the optimizer's step counters (scalars, replicated).
+  counters = sum(x.nbytes for x in jax.tree.leaves(opt_state) if x.ndim == 0)
+  replicated_total = 3 * replicated + counters
   return {"per_device_bytes": per_device, "dense_over_m_bytes": dense_over_m,
           "replicated_bytes": replicated_total,
           "ratio": per_device / (dense_over_m + replicated_total),
