@@ -44,7 +44,8 @@ def make_mesh(spec: str | Sequence[int], *,
   devices of one process) have.
   """
   data, model = parse_mesh_spec(spec)
-  available = list(jax.devices() if devices is None else devices)
+  available = list(devices) if devices is not None else sorted(
+      jax.devices(), key=lambda d: (d.process_index, d.id))
   needed = data * model
   if needed > len(available):
     hint = ""

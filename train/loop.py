@@ -129,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
   console.print(f"[bold]flax_tp[/bold] jax {jax.__version__} | {len(devices)} "
                 f"{devices[0].platform} device(s), {jax.process_count()} process(es) | mesh "
                 f"{args.mesh} (data={data_size}, model={mesh.shape[flax_tp.MODEL_AXIS]})")
+  if jax.process_count() > 1:
+    local_rows = all(len({d.process_index for d in row}) == 1 for row in mesh.devices)
+    console.print(f"processes: {jax.process_count()} x {jax.local_device_count()} devices; the "
+                  f"model axis {'stays inside' if local_rows else 'spans'} a process")
   console.print(f"model: preset {args.preset}, {summary['params']:,} params | per device: "
                 f"sharded {_mib(summary['sharded_bytes_per_device'])}, replicated "
                 f"{_mib(summary['replicated_bytes_per_device'])}")

@@ -24,12 +24,13 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.config import TransformerConfig  # noqa: E402  (no jax work at import)
+from train import distributed as train_distributed  # noqa: E402
 from train.errors import UsageError  # noqa: E402
 
 DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=128, lr=3e-3,
                 warmup_steps=40, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
                 dtype="float32", seed=0, eval_every=100, checkpoint_every=0,
-                sample_prompt="def ", sample_length=200)
+                sample_prompt="def ", sample_length=200, init_timeout=60, heartbeat_timeout=20)
 EVAL_BATCHES = 4
 
 
@@ -79,6 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
                  help="prompt for the text sample printed at the end")
   p.add_argument("--sample-length", type=int, default=d["sample_length"],
                  help="bytes to generate at the end (0: no sample)")
+  g = p.add_argument_group(
+      "multiple processes", "join a run of several processes (hosts) through JAX's distributed "
+      "runtime; each flag may also come from FLAX_TP_COORDINATOR, FLAX_TP_NUM_PROCESSES, "
+      "FLAX_TP_PROCESS_ID, and on a cluster launcher JAX detects (Slurm, Open MPI, TPU, "
+      "Kubernetes) none is needed. --mesh is global: it spans every process's devices")
+  g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordinator")
+  g.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+  g.add_argument("--process-id", type=int, default=None, help="this process's id, 0..N-1")
+  g.add_argument("--init-timeout", type=int, default=d["init_timeout"],
+                 help="seconds to wait for the coordinator and the other processes")
+  g.add_argument("--heartbeat-timeout", type=int, default=d["heartbeat_timeout"],
+                 help="seconds without a heartbeat after which a process counts as dead and "
+                      "the run stops")
   return p
 
 
@@ -120,12 +134,33 @@ def main(argv: list[str] | None = None) -> int:
       data, model = parse_mesh_spec(args.mesh)
     except ValueError as err:
       raise UsageError(str(err)) from None
-    provide_cpu_devices(data * model)
+    distributed = train_distributed.from_args(args)
+    processes = (distributed.num_processes or 1) if distributed else 1
+    if (data * model) % processes:
+      raise UsageError(f"--mesh {args.mesh} has {data * model} devices, which "
+                       f"{processes} processes cannot share evenly")
+    provide_cpu_devices(data * model // processes)
+    if distributed:
+      train_distributed.initialize(distributed, timeout_s=args.init_timeout,
+                                   heartbeat_s=args.heartbeat_timeout)
     from train.loop import run  # imports jax: after the device count is set
-    return run(args)
+    try:
+      return run(args)
+    except Exception as err:
+      reason = train_distributed.lost_peer(err) if distributed else None
+      if reason is None:
+        raise
+      # Straight to the file descriptor (a live progress display may still hold
+      # sys.stderr), then skip JAX's shutdown barrier, which would wait for the
+      # dead process.
+      os.write(2, f"train/run.py: error: {reason}; stopping\n".encode())
+      os._exit(1)
   except UsageError as err:
     print(f"train/run.py: error: {err}", file=sys.stderr)
     return 2
+  except train_distributed.DistributedError as err:
+    print(f"train/run.py: error: {err}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+"""Several processes through jax.distributed (gloo on CPU), all on localhost, bounded in time."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from train.launch import free_port
+from train.run import main
+
+ROOT = Path(__file__).resolve().parent.parent
+FLAGS = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "16", "--eval-every", "0",
+         "--sample-length", "0", "--lr", "1e-2", "--warmup-steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  from train.data import read_corpus, stdlib_sources
+  path = tmp_path_factory.mktemp("data") / "corpus.py"
+  path.write_bytes(read_corpus(stdlib_sources()[:40], max_bytes=200_000))
+  return str(path)
+
+
+def clean_env():
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("FLAX_TP")}
+  return {**env, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+def records(path):
+  return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def losses(path):
+  return [r["loss"] for r in records(path) if "loss" in r]
+
+
+def test_two_processes_equal_one_and_checkpoint_moves_to_one_process(tmp_path, corpus):
+  ck, metrics = tmp_path / "ck", tmp_path / "two.jsonl"
+  out = subprocess.run(
+      [sys.executable, str(ROOT / "train" / "launch.py"), "--processes", "2", "--",
+       "--mesh", "2x4", "--steps", "4", *FLAGS, "--data", corpus, "--metrics-file", str(metrics),
+       "--checkpoint-dir", str(ck), "--checkpoint-every", "3"],
+      capture_output=True, text=True, env=clean_env(), timeout=240)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "2 process(es)" in out.stdout and "model axis stays inside a process" in out.stdout
+  assert "[Gloo]" not in out.stdout  # the launcher filters gloo's chatter
+
+  single = tmp_path / "one.jsonl"
+  assert main(["--mesh", "2x4", "--steps", "4", *FLAGS, "--data", corpus,
+               "--metrics-file", str(single)]) == 0
+  assert len(losses(metrics)) == 4
+  np.testing.assert_allclose(losses(metrics), losses(single), rtol=1e-5)
+
+  # The 2-process checkpoint of step 3 restores in this single process on 1x8.
+  moved = tmp_path / "moved"
+  moved.mkdir()
+  shutil.copytree(ck / "3", moved / "3")
+  resumed = tmp_path / "resumed.jsonl"
+  assert main(["--mesh", "1x8", "--steps", "4", *FLAGS, "--data", corpus, "--resume",
+               "--checkpoint-dir", str(moved), "--metrics-file", str(resumed)]) == 0
+  np.testing.assert_allclose(losses(resumed), losses(single)[3:], rtol=1e-5)
+
+
+def test_killing_one_process_stops_the_other(tmp_path, corpus):
+  port = free_port()
+  metrics = tmp_path / "m.jsonl"
+  procs = []
+  for pid in (0, 1):
+    extra = ["--metrics-file", str(metrics)] if pid == 0 else []
+    procs.append(subprocess.Popen(
+        [sys.executable, str(ROOT / "train" / "run.py"), "--mesh", "2x4", "--steps", "100000",
+         *FLAGS, "--data", corpus, "--coordinator", f"127.0.0.1:{port}",
+         "--num-processes", "2", "--process-id", str(pid), "--heartbeat-timeout", "10", *extra],
+        env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+  try:
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(losses(metrics)) >= 3):
+      assert all(p.poll() is None for p in procs), "a process ended before training"
+      time.sleep(0.5)
+    assert len(losses(metrics)) >= 3, "training did not start"
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    code = procs[0].wait(timeout=60)  # bounded: the test fails rather than hangs
+    took = time.time() - killed_at
+    err = procs[0].stderr.read()
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert code != 0
+  assert took < 45
+  assert "lost contact with another process" in err or "another task died" in err, err[-2000:]
+
+
+def test_missing_coordinator_is_a_clear_error_after_a_bounded_wait(corpus):
+  t0 = time.time()
+  out = subprocess.run(
+      [sys.executable, str(ROOT / "train" / "run.py"), "--mesh", "2x4", *FLAGS, "--data", corpus,
+       "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id", "1",
+       "--init-timeout", "3"],
+      capture_output=True, text=True, env=clean_env(), timeout=60)
+  assert out.returncode == 1
+  assert time.time() - t0 < 30
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and "could not join the distributed run at 127.0.0.1:" in lines[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--num-processes", "2"], "missing --coordinator, --process-id"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+     "'localhost' is not HOST:PORT"),
+    (["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in [0, 2)"),
+    (["--mesh", "1x3", "--coordinator", "localhost:1234", "--num-processes", "2",
+      "--process-id", "0"], "3 devices, which 2 processes cannot share evenly"),
+])
+def test_bad_distributed_flags_exit_2(capsys, argv, message):
+  assert main(argv) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and message in err
+
+
+def test_environment_variables_are_read(monkeypatch, capsys):
+  monkeypatch.setenv("FLAX_TP_NUM_PROCESSES", "2")
+  assert main([]) == 2
+  assert "missing --coordinator, --process-id" in capsys.readouterr().err

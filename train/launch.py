@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""Start N local processes of train/run.py that train together, as N hosts would.
+
+    python train/launch.py --processes 2 -- --mesh 2x4 --steps 100
+
+Each process gets a share of simulated CPU devices (mesh devices / N) and joins
+JAX's distributed runtime through a coordinator on a free localhost port; the
+mesh after ``--`` is global. Process 0 prints; the others print only errors.
+If one process fails, the others are stopped and the launcher exits with its
+status. For real hosts, run train/run.py on each with --coordinator,
+--num-processes and --process-id (see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+RUN = Path(__file__).resolve().parent / "run.py"
+NOISE = ("[Gloo] ",)  # gloo's per-connection chatter
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _pump(stream, out, prefix: str) -> None:
+  for line in iter(stream.readline, ""):
+    if not line.startswith(NOISE):
+      out.write(prefix + line)
+      out.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  ours, run_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+      else (argv, [])
+  parser = argparse.ArgumentParser(prog="train/launch.py", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--processes", type=int, default=2, help="local processes to start")
+  parser.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+  parser.add_argument("--grace", type=float, default=10.0,
+                      help="seconds the others get to stop after one fails")
+  args = parser.parse_args(ours)
+  if args.processes < 1:
+    print(f"train/launch.py: error: --processes must be >= 1, got {args.processes}",
+          file=sys.stderr)
+    return 2
+  port = args.port or free_port()
+  children = []
+  for pid in range(args.processes):
+    env = {**os.environ, "FLAX_TP_COORDINATOR": f"127.0.0.1:{port}",
+           "FLAX_TP_NUM_PROCESSES": str(args.processes), "FLAX_TP_PROCESS_ID": str(pid),
+           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    child = subprocess.Popen([sys.executable, str(RUN), *run_args], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    prefix = "" if pid == 0 else f"[process {pid}] "
+    # Only process 0 speaks; the others' stdout is their (silent) console.
+    threading.Thread(target=_pump, args=(child.stdout, sys.stdout if pid == 0 else
+                                         open(os.devnull, "w"), prefix), daemon=True).start()
+    threading.Thread(target=_pump, args=(child.stderr, sys.stderr, prefix), daemon=True).start()
+    children.append(child)
+
+  status = 0
+  try:
+    while any(c.poll() is None for c in children):
+      failed = [(i, c.returncode) for i, c in enumerate(children) if c.returncode not in (None, 0)]
+      if failed:
+        pid, status = failed[0]
+        print(f"train/launch.py: process {pid} exited with status {status}; stopping the others",
+              file=sys.stderr, flush=True)
+        _stop(children, args.grace)
+        break
+      time.sleep(0.2)
+  except KeyboardInterrupt:
+    _stop(children, args.grace)
+    return 130
+  codes = [c.wait() for c in children]
+  time.sleep(0.2)  # let the output threads drain
+  return status or next((c for c in codes if c), 0)
+
+
+def _stop(children, grace: float) -> None:
+  for c in children:
+    if c.poll() is None:
+      c.send_signal(signal.SIGTERM)
+  deadline = time.time() + grace
+  for c in children:
+    try:
+      c.wait(timeout=max(0.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      c.kill()
+
+
+if __name__ == "__main__":
+  sys.exit(main())
