@@ -185,7 +185,6 @@ def main(argv=None) -> int:
   os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
   import jax
   import numpy as np
-  from flax import nnx
 
   import flax_tp
   from bench import peers

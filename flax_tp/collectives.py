@@ -20,7 +20,6 @@ a collective over one device, so a replicated value passes through unchanged
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from flax_tp.mesh import MODEL_AXIS
 

@@ -36,7 +36,7 @@ def sharded_loss(mesh, smoothing, z_loss):
 def test_matches_optax(meshes, mesh_spec):
   def all_options(loss_fns):
     """Per-token losses and gradients of a weighted sum, for every option, in one jit."""
-    return [(fn(LOGITS), jax.grad(lambda lg: jnp.sum(fn(lg) * WEIGHTS))(LOGITS))
+    return [(fn(LOGITS), jax.grad(lambda lg, fn=fn: jnp.sum(fn(lg) * WEIGHTS))(LOGITS))
             for fn in loss_fns]
 
   mine = jax.jit(lambda: all_options(

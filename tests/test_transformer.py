@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import flax_tp
 from flax_tp.hlo import collectives, tally
 from helpers import assert_padding_zero, assert_state_close
 from models.config import TransformerConfig

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -168,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
                       console=console, transient=False)
   task = progress.add_task("train", total=args.steps, completed=start, loss="-", rate="-")
   timed_steps, timed_seconds = 0, 0.0
+  done = start
   try:
     with progress:
       for step in range(start, args.steps):
@@ -203,7 +203,13 @@ def run(args: argparse.Namespace) -> int:
         if args.checkpoint_every and done % args.checkpoint_every == 0 and done != args.steps:
           save(done)
   except KeyboardInterrupt:
-    console.print(f"interrupted after step {done if 'done' in dir() else start}")
+    progress.stop()
+    if checkpointer is not None and jax.process_count() == 1 and done > start:
+      save(done)  # params and optimizer state of the last completed step
+      errors.print(f"interrupted after step {done}; checkpoint saved in {args.checkpoint_dir}",
+                   markup=False)
+    else:
+      errors.print(f"interrupted after step {done}", markup=False)
     return 130
   finally:
     metrics.close()

@@ -12,12 +12,9 @@ status 2 and one line on stderr.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -31,7 +28,6 @@ DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=12
                 warmup_steps=40, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
                 dtype="float32", seed=0, eval_every=100, checkpoint_every=0,
                 sample_prompt="def ", sample_length=200, init_timeout=60, heartbeat_timeout=20)
-EVAL_BATCHES = 4
 
 
 class _Parser(argparse.ArgumentParser):
