@@ -204,7 +204,10 @@ def run(args: argparse.Namespace) -> int:
           save(done)
   except KeyboardInterrupt:
     progress.stop()
-    if checkpointer is not None and jax.process_count() == 1 and done > start:
+    # The step in flight has consumed (donated) the old params; only a state that
+    # is still whole is saved.
+    whole = not any(x.is_deleted() for x in jax.tree.leaves((params, opt_state)))
+    if checkpointer is not None and jax.process_count() == 1 and done > start and whole:
       save(done)  # params and optimizer state of the last completed step
       errors.print(f"interrupted after step {done}; checkpoint saved in {args.checkpoint_dir}",
                    markup=False)
