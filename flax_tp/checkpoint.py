@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from flax_tp.state import _gather, place
+from flax_tp.state import gather_to_host, place
 from flax_tp.partition import ShardLayout
 
 
@@ -55,7 +55,7 @@ def to_logical(tree: Any) -> dict[str, np.ndarray]:
   for path, leaf in flat:
     value = leaf[...] if isinstance(leaf, nnx.Variable) else leaf
     layout, dim = _layout(leaf)
-    array = _gather(value)
+    array = gather_to_host(value)
     out[_key(path)] = layout.unpad(array, dim) if layout is not None else array
   return out
 

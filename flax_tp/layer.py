@@ -53,15 +53,3 @@ class ParallelModule(nnx.Module):
   def _spec(self, ndim: int, dim: int | None) -> P:
     """Spec of a rank-``ndim`` array split over the model axis on ``dim``."""
     return P(*partition_names(ndim, dim, self.axis_name, self.parallel_size))
-
-
-def param_spec(param: nnx.Param | None) -> P | None:
-  """The ``PartitionSpec`` a param was created with (None for absent params)."""
-  if param is None:
-    return None
-  return P(*param.get_metadata()["out_sharding"])
-
-
-def value(param: nnx.Param | None) -> jax.Array | None:
-  return None if param is None else param[...]
-

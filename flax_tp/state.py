@@ -98,7 +98,7 @@ def _is_param(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def _gather(value: jax.Array) -> np.ndarray:
+def gather_to_host(value: jax.Array) -> np.ndarray:
   """The whole value of a global array on this host."""
   if isinstance(value, jax.Array) and not value.is_fully_addressable:
     from jax.experimental import multihost_utils
@@ -108,7 +108,7 @@ def _gather(value: jax.Array) -> np.ndarray:
 
 def _unshard_variable(var: nnx.Variable) -> nnx.Variable:
   layout: ShardLayout | None = var.get_metadata().get("tp_layout")
-  value = _gather(var[...])
+  value = gather_to_host(var[...])
   if layout is not None:
     value = layout.unpad(value, var.get_metadata()["tp_dim"])
   # On the default device, off the mesh: a plain Flax module can use it directly.

@@ -60,11 +60,13 @@ class TransformerConfig:
 
   @classmethod
   def preset(cls, name: str, **overrides) -> "TransformerConfig":
-    presets = {"tiny": cls.tiny, "small": cls.small}
-    if name not in presets:
-      raise ValueError(f"unknown preset {name!r}; expected one of {sorted(presets)}")
-    return presets[name](**overrides)
+    if name not in PRESETS:
+      raise ValueError(f"unknown preset {name!r}; expected one of {PRESETS}")
+    return getattr(cls, name)(**overrides)
 
   @classmethod
-  def preset_names(cls) -> list[str]:
-    return ["tiny", "small"]
+  def preset_names(cls) -> tuple[str, ...]:
+    return PRESETS
+
+
+PRESETS = ("tiny", "small")

@@ -9,7 +9,6 @@ windows drawn from ``(seed, step)`` alone, so any step's batch can be rebuilt
 from __future__ import annotations
 
 import dataclasses
-import math
 import sysconfig
 from pathlib import Path
 
@@ -93,7 +92,3 @@ class ByteCorpus:
 
   def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> np.ndarray:
     return self.rows(split, self.window_starts(split, seed, step, batch_size, seq_len), seq_len)
-
-
-def perplexity(loss: float) -> float:
-  return math.exp(min(loss, 50.0))
