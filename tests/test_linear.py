@@ -45,6 +45,8 @@ def test_params_are_sharded(meshes, mesh_spec, cls):
   expected = P(None, *names) if split else P(*names, None)
   assert kernel.sharding.spec == expected and kernel.sharding.mesh == mesh
   assert nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value() == expected
+  assert nnx.get_named_sharding(nnx.state(layer), mesh)["kernel"].get_value().is_equivalent_to(
+      kernel.sharding, 2)
   # Each device holds only its shard.
   assert {s.data.shape[split] for s in kernel.addressable_shards} == {kernel.shape[split] // model}
 

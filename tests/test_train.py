@@ -150,3 +150,18 @@ def test_bad_checkpoints_exit_2(tmp_path, corpus, capsys):
 
   assert main(["--preset", "tiny", *base[:-1], str(tmp_path / "empty")]) == 2
   assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_data_folder_and_split(tmp_path):
+  from train.data import ByteCorpus
+  (tmp_path / "a.py").write_text("x = 1\n" * 300)
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "sub" / "b.txt").write_text("y = 2\n" * 300)
+  (tmp_path / "blob.bin").write_bytes(b"\0" * 1000)  # not text: skipped
+  corpus = ByteCorpus.load(str(tmp_path), seq_len=16)
+  assert len(corpus.train) + len(corpus.eval) == 2 * 1800 + 2
+  assert b"y = 2" in corpus.eval.tobytes() and b"\0" not in corpus.train.tobytes()
+  first = corpus.batch("train", seed=3, step=7, batch_size=4, seq_len=16)
+  again = corpus.batch("train", seed=3, step=7, batch_size=4, seq_len=16)
+  assert first.shape == (4, 17) and (first == again).all()
+  assert not (first == corpus.batch("train", seed=3, step=8, batch_size=4, seq_len=16)).all()
