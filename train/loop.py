@@ -23,7 +23,7 @@ from models.transformer import Transformer
 from train.data import ByteCorpus
 from train.errors import UsageError
 from train.sample import generate
-from train.step import Trainer, make_optimizer
+from train.step import LossOptions, Trainer, make_optimizer
 
 EVAL_BATCHES = 4
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
   model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(args.seed))
   tx = make_optimizer(lr=args.lr, steps=args.steps, warmup_steps=args.warmup_steps,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip)
-  trainer = Trainer(model, tx)
+  trainer = Trainer(model, tx, LossOptions(args.label_smoothing, args.z_loss))
   del model
   params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
 

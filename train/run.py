@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="AdamW decoupled weight decay (matrices only)")
   p.add_argument("--grad-clip", type=float, default=d["grad_clip"],
                  help="clip gradients to this global norm (0: off)")
+  p.add_argument("--label-smoothing", type=float, default=0.0,
+                 help="label smoothing over the whole vocabulary (as optax's smooth_labels)")
+  p.add_argument("--z-loss", type=float, default=0.0,
+                 help="weight of the z-loss (logsumexp squared) added to the loss")
   p.add_argument("--dropout", type=float, default=d["dropout"],
                  help="dropout rate; masks do not depend on the mesh")
   p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"],
@@ -104,6 +108,8 @@ def check_args(args: argparse.Namespace) -> None:
     raise UsageError(f"--lr must be a positive number, got {args.lr}")
   if args.weight_decay < 0 or args.grad_clip < 0:
     raise UsageError("--weight-decay and --grad-clip must be >= 0")
+  if not 0.0 <= args.label_smoothing <= 1.0 or args.z_loss < 0:
+    raise UsageError("--label-smoothing must be in [0, 1] and --z-loss >= 0")
   if not 0.0 <= args.dropout < 1.0:
     raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
   if args.resume and not args.checkpoint_dir:

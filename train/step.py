@@ -5,14 +5,15 @@
            Transformer on local shards -> local logits [b, S, vocab_pad]
            -> vocab_parallel_cross_entropy -> this shard's share of the mean loss
            -> jax.grad (Megatron's conjugate collectives come from check_vma)
-           -> the loss psum over "data" makes every param gradient an all-reduce
-              over "data" (the data-parallel gradient sum)
+           -> params entered per-replica over "data" once, so each gradient is
+              summed locally and all-reduced over "data" once (data parallelism)
       -> optax update on the global, sharded params (elementwise, stays sharded)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -85,7 +86,8 @@ class Trainer:
 
   # -- the step ----------------------------------------------------------------
 
-  def _local_loss(self, params: nnx.State, tokens: jax.Array, key: jax.Array | None):
+  def _local_loss(self, params: nnx.State, tokens: jax.Array, key: jax.Array | None,
+                  options: LossOptions = LossOptions()):
     """Mean loss over the *global* batch from this device's shard: summed over "data"."""
     # Mark the params as per-replica once, here: backward then sums each param's
     # gradient locally (the tied embedding is used twice) and all-reduces it over
@@ -95,7 +97,7 @@ class Trainer:
     logits = model(tokens[:, :-1], dropout_key=key)
     per_token = flax_tp.vocab_parallel_cross_entropy(
         logits, tokens[:, 1:], vocab_size=self.cfg.vocab_size,
-        label_smoothing=self.loss_options.label_smoothing, z_loss=self.loss_options.z_loss)
+        label_smoothing=options.label_smoothing, z_loss=options.z_loss)
     global_count = per_token.size * jax.lax.axis_size(flax_tp.DATA_AXIS)
     return flax_tp.all_reduce(per_token.sum() / global_count, "sum", flax_tp.DATA_AXIS)
 
@@ -105,8 +107,8 @@ class Trainer:
 
   def loss_and_grads(self, params, tokens, key=None):
     """(loss, grads) of the mean next-token loss; grads sharded like params."""
-    return self._map(jax.value_and_grad(self._local_loss), (P(), self.specs))(
-        params, tokens, key)
+    loss = functools.partial(self._local_loss, options=self.loss_options)
+    return self._map(jax.value_and_grad(loss), (P(), self.specs))(params, tokens, key)
 
   def _train_step(self, params, opt_state, tokens, key):
     loss, grads = self.loss_and_grads(params, tokens, key)
@@ -115,6 +117,7 @@ class Trainer:
     return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
   def _eval_loss(self, params, tokens):
+    # Plain cross-entropy (no smoothing, no z-loss): comparable across runs.
     return self._map(self._local_loss, P())(params, tokens, None)
 
 
