@@ -137,6 +137,9 @@ def test_bad_checkpoints_exit_2(tmp_path, corpus, capsys):
   capsys.readouterr()
   base = ["--mesh", "1x2", "--batch-size", "8", "--seq-len", "16", "--steps", "2",
           "--sample-length", "0", "--data", corpus, "--resume", "--checkpoint-dir", str(ck)]
+  at_end = [a if a != "2" else "1" for a in base]  # --steps 1: nothing left to train
+  assert main(["--preset", "tiny", *at_end]) == 2
+  assert "already at --steps 1" in capsys.readouterr().err
   assert main(["--preset", "small", *base]) == 2  # written for another model
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and "another model config" in err

@@ -122,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as err:
       raise UsageError(str(err)) from None
     params, opt_state, start = restored["params"], restored["opt_state"], int(meta["step"])
+    if start >= args.steps:
+      raise UsageError(f"--resume: the checkpoint in {args.checkpoint_dir!r} is at step {start}, "
+                       f"already at --steps {args.steps}; raise --steps to train further")
 
   summary = param_summary(params)
   devices = jax.devices()
