@@ -218,3 +218,17 @@ def test_bad_mesh_arguments(meshes):
     flax_tp.ColumnParallelDense(4, 4, mesh="2x4", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="'tensor' is not an axis"):
     flax_tp.RowParallelDense(4, 4, mesh=meshes["2x4"], axis_name="tensor", rngs=nnx.Rngs(0))
+
+
+def test_inside_nnx_shard_map(meshes):
+  """nnx.shard_map takes the layers' own specs through nnx.StateSharding."""
+  mesh = meshes["2x4"]
+  mlp, ref = MLP(6, 10, mesh=mesh, rngs=nnx.Rngs(0)), MLP(6, 10, rngs=nnx.Rngs(0))
+  specs = nnx.StateSharding(nnx.get_partition_spec(nnx.state(mlp)))
+
+  @nnx.shard_map(mesh=mesh, in_specs=(specs, P("data")), out_specs=P("data"))
+  def forward(model, x):
+    return model(x)
+
+  x = random((8, 6))
+  np.testing.assert_allclose(forward(mlp, x), ref(x), **F32)
