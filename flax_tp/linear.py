@@ -174,7 +174,7 @@ class RowParallelDense(_ParallelDense):
     else:
       x = split_local(x, layout, self.axis_name)
     kernel = masked(kernel, layout, 0, self.axis_name)
-    y, bias = self._matmul(x, kernel, None if bias is None else bias)
+    y, bias = self._matmul(x, kernel, bias)
     # Sum the partial products first, then add the bias once: adding it before
     # the reduce would count it parallel_size times.
     y = all_reduce(y, "sum", self.axis_name)
