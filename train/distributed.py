@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 import threading
 
 from train.errors import UsageError
@@ -71,6 +72,21 @@ def from_args(args) -> Distributed | None:
   if num < 1 or not 0 <= pid < num:
     raise UsageError(f"--process-id must be in [0, {num}) for --num-processes {num}, got {pid}")
   return Distributed(coordinator, num, pid)
+
+
+def silence_native_stdout() -> None:
+  """Sends what native code prints to stdout to /dev/null; Python keeps the real stdout.
+
+  gloo prints a line from C++ for every connection it opens, from several
+  threads at once, so the lines even interleave mid-word; nothing the run
+  reports goes through the C-level stdout. Errors (stderr) are untouched.
+  """
+  sys.stdout.flush()
+  real_stdout = os.dup(1)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 1)
+  os.close(devnull)
+  sys.stdout = os.fdopen(real_stdout, "w", buffering=1, encoding="utf-8")
 
 
 def initialize(settings: Distributed, *, timeout_s: int, heartbeat_s: int) -> None:

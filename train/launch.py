@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 
 RUN = Path(__file__).resolve().parent / "run.py"
-NOISE = ("[Gloo] ",)  # gloo's per-connection chatter
-
 
 def free_port() -> int:
   with socket.socket() as s:
@@ -35,9 +33,8 @@ def free_port() -> int:
 
 def _pump(stream, out, prefix: str) -> None:
   for line in iter(stream.readline, ""):
-    if not line.startswith(NOISE):
-      out.write(prefix + line)
-      out.flush()
+    out.write(prefix + line)
+    out.flush()
 
 
 def main(argv: list[str] | None = None) -> int:

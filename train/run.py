@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"{processes} processes cannot share evenly")
     provide_cpu_devices(data * model // processes)
     if distributed:
+      train_distributed.silence_native_stdout()
       train_distributed.initialize(distributed, timeout_s=args.init_timeout,
                                    heartbeat_s=args.heartbeat_timeout)
     from train.loop import run  # imports jax: after the device count is set
