@@ -17,8 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from flax_tp.state import gather_to_host, place
-from flax_tp.partition import ShardLayout
+from flax_tp.state import logical_value, stored_like
 
 
 class CheckpointError(ValueError):
@@ -41,23 +40,10 @@ def _key(path: tuple) -> str:
   return ".".join(parts)
 
 
-def _layout(leaf: Any) -> tuple[ShardLayout | None, int | None]:
-  if isinstance(leaf, nnx.Variable):
-    meta = leaf.get_metadata()
-    return meta.get("tp_layout"), meta.get("tp_dim")
-  return None, None
-
-
 def to_logical(tree: Any) -> dict[str, np.ndarray]:
   """``{path: array}`` of every leaf, sharded ones gathered and unpadded."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
-  out = {}
-  for path, leaf in flat:
-    value = leaf[...] if isinstance(leaf, nnx.Variable) else leaf
-    layout, dim = _layout(leaf)
-    array = gather_to_host(value)
-    out[_key(path)] = layout.unpad(array, dim) if layout is not None else array
-  return out
+  return {_key(path): logical_value(leaf) for path, leaf in flat}
 
 
 def from_logical(logical: dict[str, Any], like: Any) -> Any:
@@ -73,20 +59,10 @@ def from_logical(logical: dict[str, Any], like: Any) -> Any:
         f"{' ...' if len(unexpected) > 5 else ''}")
   leaves = []
   for key, (_, leaf) in zip(keys, flat):
-    target = leaf[...] if isinstance(leaf, nnx.Variable) else leaf
-    layout, dim = _layout(leaf)
-    value = np.asarray(logical[key])
-    shape = list(target.shape)
-    if layout is not None:
-      shape[dim] = layout.size
-    if list(value.shape) != shape:
-      raise CheckpointError(f"checkpoint array {key!r} has shape {value.shape}, the model "
-                            f"expects {tuple(shape)} (was it saved from another config?)")
-    value = value.astype(target.dtype)
-    if layout is not None:
-      value = layout.pad(value, dim)
-    if isinstance(target, jax.Array):
-      value = place(value, target.sharding)
+    try:
+      value = stored_like(leaf, logical[key], repr(key))
+    except ValueError as err:
+      raise CheckpointError(f"checkpoint {err} (was it saved from another config?)") from None
     leaves.append(leaf.replace(value) if isinstance(leaf, nnx.Variable) else value)
   return jax.tree_util.tree_unflatten(treedef, leaves)
 

@@ -106,13 +106,44 @@ def gather_to_host(value: jax.Array) -> np.ndarray:
   return np.asarray(value)
 
 
-def _unshard_variable(var: nnx.Variable) -> nnx.Variable:
-  layout: ShardLayout | None = var.get_metadata().get("tp_layout")
-  value = gather_to_host(var[...])
+def _layout_of(leaf: Any) -> tuple[ShardLayout | None, int | None]:
+  """The ``ShardLayout`` and split dim of a sharded param; (None, None) otherwise."""
+  if isinstance(leaf, nnx.Variable):
+    meta = leaf.get_metadata()
+    return meta.get("tp_layout"), meta.get("tp_dim")
+  return None, None
+
+
+def logical_value(leaf: nnx.Variable | jax.Array) -> np.ndarray:
+  """The whole, unpadded value of a param (or plain array) on this host."""
+  layout, dim = _layout_of(leaf)
+  value = gather_to_host(leaf[...] if isinstance(leaf, nnx.Variable) else leaf)
+  return layout.unpad(value, dim) if layout is not None else value
+
+
+def stored_like(leaf: nnx.Variable | jax.Array, logical: Any, name: Any = "") -> jax.Array:
+  """``logical`` padded and sharded like the stored ``leaf`` (a param or plain array).
+
+  The inverse of ``logical_value``; ``ValueError`` naming ``name`` on a shape
+  that does not fit.
+  """
+  layout, dim = _layout_of(leaf)
+  target = leaf[...] if isinstance(leaf, nnx.Variable) else leaf
+  value = np.asarray(logical).astype(target.dtype)
+  expected = list(target.shape)
   if layout is not None:
-    value = layout.unpad(value, var.get_metadata()["tp_dim"])
+    expected[dim] = layout.size
+  if list(value.shape) != expected:
+    raise ValueError(
+        f"param {name}: got shape {tuple(value.shape)}, expected {tuple(expected)}")
+  if layout is not None:
+    value = layout.pad(value, dim)
+  return place(value, target.sharding) if isinstance(target, jax.Array) else value
+
+
+def _unshard_variable(var: nnx.Variable) -> nnx.Variable:
   # On the default device, off the mesh: a plain Flax module can use it directly.
-  value = jnp.asarray(value)
+  value = jnp.asarray(logical_value(var))
   return nnx.Param(value) if isinstance(var, nnx.Param) else type(var)(value)
 
 
@@ -145,29 +176,14 @@ def load_unsharded(module: nnx.Module, source: nnx.Module | nnx.State) -> None:
     extra = sorted(set(dense_paths) - set(target_paths))
     raise ValueError(f"param names differ: missing {missing}, unexpected {extra}")
   for path, var in target_paths.items():
-    var[...] = shard_value_like(var, dense_paths[path][...], path)
-
-
-def shard_value_like(var: nnx.Variable, logical: Any, path: Any = "") -> jax.Array:
-  """Padded, sharded form of ``logical`` laid out like the stored ``var``."""
-  meta = var.get_metadata()
-  layout: ShardLayout | None = meta.get("tp_layout")
-  logical = jnp.asarray(logical, dtype=var[...].dtype)
-  expected = list(var[...].shape)
-  if layout is not None:
-    expected[meta["tp_dim"]] = layout.size
-  if list(logical.shape) != expected:
-    raise ValueError(
-        f"param {path}: got shape {tuple(logical.shape)}, expected {tuple(expected)}")
-  stored = layout.pad(logical, meta["tp_dim"]) if layout is not None else logical
-  return place(stored, var[...].sharding)
+    var[...] = stored_like(var, dense_paths[path][...], path)
 
 
 def masked(param: jax.Array, layout: ShardLayout, dim: int, axis_name: str) -> jax.Array:
   """This device's shard of a parameter with its padding forced to zero.
 
-  Called on local shards inside ``shard_map``. Multiplying by a 0/1 mask (rather
-  than trusting the stored zeros) makes the gradient of every padded element
+  Called on local shards inside ``shard_map``. Selecting zeros through a mask
+  (rather than trusting the stored zeros) makes the gradient of every padded element
   exactly zero, so no optimizer (weight decay, Adam's moments) can move it.
   A no-op for even layouts.
   """
