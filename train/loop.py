@@ -118,13 +118,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"checkpoint in {args.checkpoint_dir!r} was written for another model "
                          f"config ({meta.get('config')}); pass the same --preset/--seq-len/"
                          "--dropout/--dtype")
+      if int(meta["step"]) >= args.steps:  # decided before reading any array
+        raise UsageError(f"--resume: the checkpoint in {args.checkpoint_dir!r} is at step "
+                         f"{meta['step']}, already at --steps {args.steps}; raise --steps to "
+                         "train further")
       restored, meta = checkpointer.restore({"params": params, "opt_state": opt_state})
     except CheckpointError as err:
       raise UsageError(str(err)) from None
     params, opt_state, start = restored["params"], restored["opt_state"], int(meta["step"])
-    if start >= args.steps:
-      raise UsageError(f"--resume: the checkpoint in {args.checkpoint_dir!r} is at step {start}, "
-                       f"already at --steps {args.steps}; raise --steps to train further")
 
   summary = param_summary(params)
   devices = jax.devices()
