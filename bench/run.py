@@ -21,8 +21,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
@@ -101,6 +102,7 @@ class Contender:
 def flax_tp_contender(cfg, mesh, tokens_host, tx):
   import jax
   from flax import nnx
+
   from models.transformer import Transformer
   from train.step import Trainer
   trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)), tx)
@@ -321,6 +323,7 @@ def main(argv=None) -> int:
 def dense_overhead(mesh, repeats: int) -> dict[str, float]:
   import jax
   from flax import nnx
+
   import flax_tp
   x = jax.random.normal(jax.random.key(0), (1024, 512))
   column = flax_tp.ColumnParallelDense(512, 2048, mesh=mesh, rngs=nnx.Rngs(0))
@@ -337,6 +340,7 @@ def dense_overhead(mesh, repeats: int) -> dict[str, float]:
 def memory_report(cfg, mesh, tx) -> dict[str, Any]:
   import jax
   from flax import nnx
+
   from models.transformer import Transformer
   from train.step import Trainer
   trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)), tx)
@@ -368,6 +372,7 @@ def memory_report(cfg, mesh, tx) -> dict[str, Any]:
 def scaling_report(preset: str, tx, log) -> list[dict[str, Any]]:
   """Audit bytes at 2x4 as batch, sequence and width grow (compile only)."""
   import numpy as np
+
   import flax_tp
   from bench import peers
   base = bench_config(preset)
@@ -397,6 +402,7 @@ def device_report(preset: str, repeats: int, log) -> dict[str, Any]:
   """One accelerator: step time and model FLOP utilisation of the default model."""
   import jax
   import numpy as np
+
   import flax_tp
   from bench import peers
   from models.config import TransformerConfig

@@ -1,6 +1,13 @@
 """flax_tp: Megatron-style tensor parallelism for Flax NNX."""
 
-from flax_tp.collectives import all_gather, all_reduce, axis_is_bound, copy_to_parallel, reduce_scatter, shard_index
+from flax_tp.collectives import (
+    all_gather,
+    all_reduce,
+    axis_is_bound,
+    copy_to_parallel,
+    reduce_scatter,
+    shard_index,
+)
 from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
 from flax_tp.linear import ColumnParallelDense, RowParallelDense
 from flax_tp.loss import vocab_parallel_cross_entropy

@@ -58,7 +58,7 @@ def from_logical(logical: dict[str, Any], like: Any) -> Any:
         f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
         f"{' ...' if len(unexpected) > 5 else ''}")
   leaves = []
-  for key, (_, leaf) in zip(keys, flat):
+  for key, (_, leaf) in zip(keys, flat, strict=True):
     try:
       value = stored_like(leaf, logical[key], repr(key))
     except ValueError as err:

@@ -11,11 +11,13 @@ A layer runs in one of two contexts, read from JAX at call time:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from flax_tp.collectives import axis_is_bound
 from flax_tp.state import partition_names

@@ -60,13 +60,13 @@ def split_tensor_for_parallelism(
       tensor, jax.Array) else np.take(tensor, np.arange(start, start + size), axis=dim)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _array_split_bounds(n: int, parts: int) -> tuple[tuple[int, int], ...]:
   """(offset, size) of each of ``parts`` shards of ``n`` elements, array_split style."""
   base, extra = divmod(n, parts)
   sizes = [base + 1 if i < extra else base for i in range(parts)]
   offsets = np.cumsum([0] + sizes[:-1]).tolist()
-  return tuple(zip(offsets, sizes))
+  return tuple(zip(offsets, sizes, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)

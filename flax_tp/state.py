@@ -12,13 +12,15 @@ stored (padded) form, sharded over the mesh's model axis, with metadata:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from flax_tp.collectives import shard_index
 from flax_tp.partition import ShardLayout

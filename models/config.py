@@ -48,18 +48,18 @@ class TransformerConfig:
     return jnp.dtype(self.dtype)
 
   @classmethod
-  def tiny(cls, **overrides) -> "TransformerConfig":
+  def tiny(cls, **overrides) -> TransformerConfig:
     """For tests: 6 heads, d_ff 90 and vocab 259 divide neither 4 nor 8."""
     return cls(**{**dict(vocab_size=259, d_model=24, num_heads=6, head_dim=4, d_ff=90,
                          num_layers=2, max_seq_len=16), **overrides})
 
   @classmethod
-  def small(cls, **overrides) -> "TransformerConfig":
+  def small(cls, **overrides) -> TransformerConfig:
     """The default: learns Python's look in a few CPU minutes."""
     return cls(**overrides)
 
   @classmethod
-  def preset(cls, name: str, **overrides) -> "TransformerConfig":
+  def preset(cls, name: str, **overrides) -> TransformerConfig:
     if name not in PRESETS:
       raise ValueError(f"unknown preset {name!r}; expected one of {PRESETS}")
     return getattr(cls, name)(**overrides)

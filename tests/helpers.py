@@ -63,7 +63,7 @@ def assert_state_close(parallel_state, flax_state, **tol):
   ref = nnx.to_flat_state(nnx.state(flax_state, nnx.Param)
                           if isinstance(flax_state, nnx.Module) else flax_state)
   assert [p for p, _ in mine] == [p for p, _ in ref]
-  for (path, a), (_, b) in zip(mine, ref):
+  for (path, a), (_, b) in zip(mine, ref, strict=True):
     np.testing.assert_allclose(np.asarray(a[...], np.float32), np.asarray(b[...], np.float32),
                                err_msg=str(path), **(tol or F32))
 

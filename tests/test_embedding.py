@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import F32, adamw_step, assert_padding_zero, assert_state_close, inside_shard_map
 from jax.sharding import PartitionSpec as P
 
 import flax_tp
-from helpers import F32, adamw_step, assert_padding_zero, assert_state_close, inside_shard_map
 
 MESHES = ["1x1", "1x2", "2x4", "1x8", "1x3"]
 SIZES = [(16, 8), (257, 6), (3, 3)]  # even, vocab 257 uneven everywhere, smaller than the axis

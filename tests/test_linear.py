@@ -6,11 +6,18 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import (
+  F32,
+  adamw_step,
+  assert_padding_zero,
+  assert_state_close,
+  forward_and_grads,
+  inside_shard_map,
+  random,
+)
 from jax.sharding import PartitionSpec as P
 
 import flax_tp
-from helpers import (F32, adamw_step, assert_padding_zero, assert_state_close,
-                     forward_and_grads, inside_shard_map, random)
 
 MESHES = ["1x1", "1x2", "2x4", "1x8", "1x3"]
 # (in, out): even over every axis; 10 and 7 uneven; 3 smaller than the axis.

@@ -42,7 +42,7 @@ def test_matches_optax(meshes, mesh_spec):
   mine = jax.jit(lambda: all_options(
       [sharded_loss(meshes[mesh_spec], s, z) for s, z in OPTIONS]))()
   ref = all_options([lambda lg, s=s, z=z: optax_loss(lg, s, z) for s, z in OPTIONS])
-  for (loss, grad), (ref_loss, ref_grad) in zip(mine, ref):
+  for (loss, grad), (ref_loss, ref_grad) in zip(mine, ref, strict=True):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-7)
 

@@ -29,7 +29,7 @@ def test_concatenation_restores_and_matches_array_split(n, k, xp):
   t = xp.arange(n * 2).reshape(n, 2)
   shards = [split_tensor_for_parallelism(t, i, k, 0) for i in range(k)]
   assert all(type(s) is type(t) or isinstance(s, type(t)) for s in shards)
-  for mine, ref in zip(shards, np.array_split(np.asarray(t), k, axis=0)):
+  for mine, ref in zip(shards, np.array_split(np.asarray(t), k, axis=0), strict=True):
     np.testing.assert_array_equal(mine, ref)
   np.testing.assert_array_equal(np.concatenate(shards, axis=0), t)
 

@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import F32, assert_padding_zero, assert_state_close, random
 
 import flax_tp
-from helpers import F32, assert_padding_zero, assert_state_close, random
 
 
 class Block(nnx.Module):

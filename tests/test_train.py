@@ -105,7 +105,7 @@ def test_checkpoint_moves_across_meshes_exactly(tmp_path, meshes):
     got = {"params": flax_tp.unshard(state["params"]),
            "mu": flax_tp.unshard(state["opt_state"][1][0].mu)}
     for name in expected:
-      for a, b in zip(jax.tree.leaves(got[name]), jax.tree.leaves(expected[name])):
+      for a, b in zip(jax.tree.leaves(got[name]), jax.tree.leaves(expected[name]), strict=True):
         np.testing.assert_array_equal(a, b)
     model_axis = target.mesh.shape["model"]
     kernel = state["params"]["blocks"][0]["mlp"]["up"]["kernel"][...]

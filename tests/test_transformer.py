@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import assert_padding_zero, assert_state_close
 
 from flax_tp.hlo import collectives, tally
-from helpers import assert_padding_zero, assert_state_close
 from models.config import TransformerConfig
 from models.reference import ReferenceTransformer, reference_loss
 from models.transformer import Transformer

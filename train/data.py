@@ -61,7 +61,7 @@ class ByteCorpus:
 
   @classmethod
   def load(cls, data: str | None = None, *, seq_len: int,
-           max_bytes: int = DEFAULT_MAX_BYTES) -> "ByteCorpus":
+           max_bytes: int = DEFAULT_MAX_BYTES) -> ByteCorpus:
     files = stdlib_sources() if data is None else text_files(Path(data))
     tokens = np.frombuffer(read_corpus(files, max_bytes), dtype=np.uint8)
     source = "the Python standard library" if data is None else str(data)

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import flax_tp
-from flax_tp.checkpoint import CheckpointError, Checkpointer
+from flax_tp.checkpoint import Checkpointer, CheckpointError
 from models.config import TransformerConfig
 from models.transformer import Transformer
 from train.data import ByteCorpus

@@ -20,9 +20,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.config import TransformerConfig  # noqa: E402  (no jax work at import)
-from train import distributed as train_distributed  # noqa: E402
-from train.errors import UsageError  # noqa: E402
+from models.config import TransformerConfig
+from train import distributed as train_distributed
+from train.errors import UsageError
 
 DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=128, lr=3e-3,
                 warmup_steps=40, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
