@@ -1,27 +1,59 @@
-"""Checkpoints of the logical (unpadded) state, so they restore on any mesh.
+"""Sharded checkpoints of the logical (unpadded) state: each process writes and
+reads only the shards it holds, and a checkpoint restores on any mesh and any
+process count.
 
-Orbax writes each step into a temporary folder and renames it when complete,
-so a checkpoint on disk is whole or absent: an interrupted save leaves the last
-good one untouched. What is stored holds no trace of the mesh: every sharded
-array is gathered and stripped of its padding, and keyed by its path in the
-state tree. Restoring pads and shards each array like the target's.
+On disk, one folder per step::
+
+    DIR/10/meta.json          the caller's metadata, the array table, the process count
+    DIR/10/index.P.json       process P's pieces: key, logical start and shape, byte offset
+    DIR/10/shards.P.bin       process P's pieces, raw bytes one after another
+
+A *piece* is the logical (padding stripped) part of one device shard: a box of
+the logical array given by its start and shape. Every shard is written once,
+by the device that holds replica 0 of it, so a replicated array is written once
+and a sharded one once per distinct shard, without any all-gather. Restoring
+builds each of this process's device blocks from the pieces that overlap its
+logical region (read through ``numpy.memmap``, so only those bytes are read),
+pads it with zeros and places it: the host holds one device block at a time.
+
+Atomic: everything is written into ``DIR/.tmp-10/``, then (after every process
+has written, through JAX's distributed barrier) process 0 writes ``meta.json``
+and renames the folder to ``DIR/10``. A save interrupted at any point leaves the
+earlier checkpoints as they were and no ``DIR/10``.
+
+Asynchronous saves (``Checkpointer(..., asynchronous=True)``) first copy the
+arrays on their devices (the step that follows may donate the originals), then
+write from a background thread while training goes on; the next ``save``,
+``wait`` or ``close`` waits for it and raises its error, if any.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
-from flax_tp.state import logical_value, stored_like
+from flax_tp.partition import ShardLayout
+
+FORMAT = "flax_tp/sharded-1"
+BARRIER_TIMEOUT_S = 600
 
 
 class CheckpointError(ValueError):
   """A checkpoint that cannot be read or does not fit the model."""
+
+
+class CheckpointSaveError(RuntimeError):
+  """A save that failed (disk full, unwritable folder); the earlier checkpoints are intact."""
 
 
 def _is_leaf(x: Any) -> bool:
@@ -40,86 +72,381 @@ def _key(path: tuple) -> str:
   return ".".join(parts)
 
 
-def to_logical(tree: Any) -> dict[str, np.ndarray]:
-  """``{path: array}`` of every leaf, sharded ones gathered and unpadded."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
-  return {_key(path): logical_value(leaf) for path, leaf in flat}
+def _flat(trees: dict[str, Any]) -> list[tuple[str, Any]]:
+  """``[(key, leaf)]`` of every leaf of every named tree; Variables are leaves."""
+  out = []
+  for name, tree in trees.items():
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    out += [(f"{name}.{_key(path)}" if path else name, leaf) for path, leaf in flat]
+  return out
 
 
-def from_logical(logical: dict[str, Any], like: Any) -> Any:
-  """``like`` with every leaf replaced by ``logical[path]``, padded and sharded as it was."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_leaf)
-  keys = [_key(path) for path, _ in flat]
-  missing = sorted(set(keys) - set(logical))
-  unexpected = sorted(set(logical) - set(keys))
-  if missing or unexpected:
-    raise CheckpointError(
-        f"checkpoint does not match the model: missing {missing[:5]}"
-        f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-        f"{' ...' if len(unexpected) > 5 else ''}")
-  leaves = []
-  for key, (_, leaf) in zip(keys, flat, strict=True):
-    try:
-      value = stored_like(leaf, logical[key], repr(key))
-    except ValueError as err:
-      raise CheckpointError(f"checkpoint {err} (was it saved from another config?)") from None
-    leaves.append(leaf.replace(value) if isinstance(leaf, nnx.Variable) else value)
-  return jax.tree_util.tree_unflatten(treedef, leaves)
+def _layout_of(leaf: Any) -> tuple[ShardLayout | None, int | None]:
+  if isinstance(leaf, nnx.Variable):
+    meta = leaf.get_metadata()
+    return meta.get("tp_layout"), meta.get("tp_dim")
+  return None, None
+
+
+def _value(leaf: Any) -> Any:
+  return leaf[...] if isinstance(leaf, nnx.Variable) else leaf
+
+
+def _logical_shape(leaf: Any) -> tuple[int, ...]:
+  layout, dim = _layout_of(leaf)
+  shape = list(np.shape(_value(leaf)))
+  if layout is not None:
+    shape[dim] = layout.size
+  return tuple(shape)
+
+
+def _runs(stored: slice, layout: ShardLayout | None) -> list[tuple[int, int, int]]:
+  """``[(stored_start, stored_stop, logical_start)]``: the logical data in a stored range.
+
+  Without a layout the stored range is logical. With one, each padded shard
+  ``i`` of the range contributes its first ``sizes[i]`` elements; padding none.
+  """
+  if layout is None:
+    return [(stored.start, stored.stop, stored.start)]
+  q, runs = layout.padded_size, []
+  for i in range(stored.start // q, -(-stored.stop // q)):
+    lo, hi = max(stored.start, i * q), min(stored.stop, i * q + layout.sizes[i])
+    if hi > lo:
+      runs.append((lo, hi, layout.offsets[i] + lo - i * q))
+  return runs
+
+
+def _boxes(index: tuple[slice, ...], shape: tuple[int, ...], layout: ShardLayout | None,
+           dim: int | None) -> list[tuple[tuple[slice, ...], tuple[int, ...], tuple[int, ...]]]:
+  """The logical boxes inside one device block of a stored array.
+
+  ``index`` is the block's place in the stored array. Returns
+  ``[(slices into the block, logical start, box shape)]``; empty when the block
+  holds only padding.
+  """
+  index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+  per_dim = [_runs(s, layout if d == dim else None) for d, s in enumerate(index)]
+  boxes = [((), (), ())]
+  for d, runs in enumerate(per_dim):
+    base = index[d].start
+    boxes = [(sl + (slice(a - base, b - base),), st + (c,), sh + (b - a,))
+             for sl, st, sh in boxes for a, b, c in runs]
+  return boxes
+
+
+def _fsync(path: Path) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _barrier(name: str) -> None:
+  """All processes reach ``name`` (JAX's distributed key-value barrier; safe off the main
+  thread, unlike a device collective)."""
+  if jax.process_count() > 1:
+    from orbax.checkpoint import multihost
+    multihost.get_barrier_sync_fn()(key=name, timeout_ms=BARRIER_TIMEOUT_S * 1000)
+
+
+class _Snapshot:
+  """What one process writes for one step: device buffers of its replica-0 shards."""
+
+  def __init__(self, trees: dict[str, Any], copy: bool):
+    flat = _flat(trees)
+    values = [_value(leaf) for _, leaf in flat]
+    if copy:  # on device: the next step may donate (delete) the originals
+      values = _copy_on_device(values)
+    self.table: dict[str, dict[str, Any]] = {}
+    self.shards: list[tuple] = []  # (key, data, index, layout, dim, stored shape)
+    for (key, leaf), value in zip(flat, values, strict=True):
+      layout, dim = _layout_of(leaf)
+      self.table[key] = {"shape": list(_logical_shape(leaf)),
+                         "dtype": jnp.dtype(value.dtype).name}
+      if isinstance(value, jax.Array):
+        for shard in value.addressable_shards:
+          if shard.replica_id == 0:
+            self.shards.append((key, shard.data, shard.index, layout, dim, value.shape))
+      elif jax.process_index() == 0:  # a host value: the same on every process
+        value = np.asarray(value)
+        self.shards.append((key, value, (slice(None),) * value.ndim, None, None, value.shape))
+
+  def write(self, folder: Path) -> None:
+    """Streams the pieces into ``shards.P.bin`` (one block in host memory at a time)."""
+    process = jax.process_index()
+    index = []
+    with open(folder / f"shards.{process}.bin", "wb") as out:
+      for key, data, where, layout, dim, shape in self.shards:
+        block = np.asarray(data)
+        for sl, start, box in _boxes(where, shape, layout, dim):
+          if math.prod(box) == 0:
+            continue
+          index.append([key, list(start), list(box), out.tell()])
+          out.write(np.ascontiguousarray(block[sl]).tobytes())
+        del block
+      out.flush()
+      os.fsync(out.fileno())
+    _write_json(folder / f"index.{process}.json", index)
+
+
+def _copy_on_device(values: list[Any]) -> list[Any]:
+  arrays = [i for i, v in enumerate(values) if isinstance(v, jax.Array)]
+  copies = jax.jit(lambda xs: [jnp.copy(x) for x in xs])([values[i] for i in arrays])
+  values = list(values)
+  for i, c in zip(arrays, copies, strict=True):
+    values[i] = c
+  return values
+
+
+def _write_json(path: Path, obj: Any) -> None:
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(obj, f)
+    f.flush()
+    os.fsync(f.fileno())
 
 
 class Checkpointer:
-  """Saves and restores ``{name: state tree}`` plus JSON metadata, per step."""
+  """Saves and restores ``{name: state tree}`` plus JSON metadata, per step.
 
-  def __init__(self, directory: str | Path, *, max_to_keep: int = 3):
+  directory: shared by every process of a run (a shared file system across hosts).
+  max_to_keep: after each save, older steps beyond this many are deleted (None: keep all).
+  asynchronous: ``save`` returns once the arrays are copied on their devices; the
+    write goes on in a background thread (``wait`` joins it).
+  """
+
+  def __init__(self, directory: str | Path, *, max_to_keep: int | None = 3,
+               asynchronous: bool = False):
     self.directory = Path(directory).absolute()
-    self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
-        item_names=("state", "meta"))
+    self.max_to_keep = max_to_keep
+    self.asynchronous = asynchronous
+    self._thread: threading.Thread | None = None
+    self._error: BaseException | None = None
+
+  # -- reading the directory ---------------------------------------------------
+
+  def steps(self) -> list[int]:
+    """The committed steps in the directory, oldest first."""
+    if not self.directory.is_dir():
+      return []
+    return sorted(int(p.name) for p in self.directory.iterdir()
+                  if p.name.isdigit() and (p / "meta.json").is_file())
+
+  def delete_all(self) -> None:
+    """Deletes every checkpoint in the directory (and unfinished writes); other files stay."""
+    if not self.directory.is_dir():
+      return
+    for path in self.directory.iterdir():
+      if path.is_dir() and (path.name.isdigit() or path.name.startswith((".tmp-", ".old-"))):
+        shutil.rmtree(path)
 
   def latest_step(self) -> int | None:
-    return self._manager.latest_step()
-
-  def save(self, step: int, trees: dict[str, Any], meta: dict[str, Any]) -> None:
-    state = {name: to_logical(tree) for name, tree in trees.items()}
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-    self._manager.wait_until_finished()
-
-  def read_meta(self, step: int | None = None) -> dict[str, Any]:
-    """The JSON metadata saved with ``step`` (default: the latest), without the arrays."""
-    step = self._step(step)
-    try:
-      meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    except Exception as err:
-      raise self._unreadable(step, err) from err
-    return dict(meta["meta"])
+    steps = self.steps()
+    return steps[-1] if steps else None
 
   def _step(self, step: int | None) -> int:
     step = self.latest_step() if step is None else step
-    if step is None:
-      raise CheckpointError(f"no checkpoint found in {str(self.directory)!r}")
+    if step is None or not (self.directory / str(step) / "meta.json").is_file():
+      raise CheckpointError(f"no checkpoint{'' if step is None else f' of step {step}'} "
+                            f"found in {str(self.directory)!r}")
     return step
 
-  def _unreadable(self, step: int, err: Exception) -> CheckpointError:
-    first_line = str(err).splitlines()[0] if str(err) else ""
-    return CheckpointError(f"cannot read checkpoint step {step} in {str(self.directory)!r}: "
-                           f"{type(err).__name__}: {first_line}")
-
-  def restore(self, like: dict[str, Any], step: int | None = None) -> tuple[dict[str, Any], dict]:
-    """Restores the trees named in ``like`` onto their shardings; returns (trees, meta)."""
-    step = self._step(step)
+  def _read_json(self, step: int, name: str) -> Any:
+    path = self.directory / str(step) / name
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
-    except Exception as err:  # orbax raises many types for unreadable data
-      raise self._unreadable(step, err) from err
-    state = restored["state"]
-    missing = sorted(set(like) - set(state))
-    if missing:
-      raise CheckpointError(f"checkpoint step {step} lacks {missing}")
-    return {name: from_logical(state[name], tree) for name, tree in like.items()}, \
-        dict(restored["meta"])
+      return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+      raise CheckpointError(f"cannot read checkpoint step {step} in {str(self.directory)!r}: "
+                            f"{name}: {type(err).__name__}: {err}") from None
+
+  def read_meta(self, step: int | None = None) -> dict[str, Any]:
+    """The metadata saved with ``step`` (default: the latest), without the arrays."""
+    step = self._step(step)
+    record = self._read_json(step, "meta.json")
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+      raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} is not a "
+                            f"{FORMAT} checkpoint")
+    return dict(record["meta"])
+
+  # -- saving ------------------------------------------------------------------
+
+  def save(self, step: int, trees: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Writes ``trees`` and ``meta`` as checkpoint ``step`` (called by every process)."""
+    self.wait()
+    json.dumps(meta)  # fail here, not in the background, on metadata JSON cannot hold
+    snapshot = _Snapshot(trees, copy=self.asynchronous)
+    if not self.asynchronous:
+      self._commit_or_explain(step, snapshot, meta)
+      return
+
+    def work():
+      try:
+        self._commit_or_explain(step, snapshot, meta)
+      except BaseException as err:  # surfaced by the next save/wait/close
+        self._error = err
+
+    self._thread = threading.Thread(target=work, name=f"flax_tp-save-{step}", daemon=True)
+    self._thread.start()
+
+  def wait(self) -> None:
+    """Waits for an asynchronous save; raises what it failed with."""
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    if self._error is not None:
+      err, self._error = self._error, None
+      raise err
 
   def close(self) -> None:
-    self._manager.close()
+    self.wait()
+
+  def _commit_or_explain(self, step: int, snapshot: _Snapshot, meta: dict[str, Any]) -> None:
+    try:
+      self._commit(step, snapshot, meta)
+    except OSError as err:
+      raise CheckpointSaveError(f"cannot write checkpoint step {step} in "
+                                f"{str(self.directory)!r}: {err.strerror or err}") from err
+
+  def _commit(self, step: int, snapshot: _Snapshot, meta: dict[str, Any]) -> None:
+    tmp = self.directory / f".tmp-{step}"
+    final = self.directory / str(step)
+    tmp.mkdir(parents=True, exist_ok=True)
+    snapshot.write(tmp)
+    _barrier(f"flax_tp_checkpoint_{step}_written")
+    if jax.process_index() == 0:
+      processes = jax.process_count()
+      for stale in tmp.iterdir():  # left by an earlier try with more processes
+        number = stale.name.split(".")[1] if stale.name.count(".") == 2 else None
+        if number is not None and number.isdigit() and int(number) >= processes:
+          stale.unlink()
+      _write_json(tmp / "meta.json", {"format": FORMAT, "step": step, "processes": processes,
+                                      "arrays": snapshot.table, "meta": meta})
+      _fsync(tmp)
+      if final.exists():  # the same step saved again: the new one replaces it
+        old = self.directory / f".old-{step}"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+      else:
+        tmp.rename(final)
+      _fsync(self.directory)
+      if self.max_to_keep:
+        for old_step in self.steps()[:-self.max_to_keep]:
+          shutil.rmtree(self.directory / str(old_step))
+    _barrier(f"flax_tp_checkpoint_{step}_committed")
+
+  # -- restoring ---------------------------------------------------------------
+
+  def restore(self, like: dict[str, Any], step: int | None = None) -> tuple[dict[str, Any], dict]:
+    """Restores the trees named in ``like`` onto their shardings; returns (trees, meta).
+
+    ``like`` gives each leaf's sharding, padding layout and dtype (its values
+    are not used). Each process reads only what its devices hold.
+    """
+    step = self._step(step)
+    record = self._read_json(step, "meta.json")
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+      raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} is not a "
+                            f"{FORMAT} checkpoint")
+    pieces = _Pieces(self.directory / str(step), record, step)
+    flat = _flat(like)
+    keys = [key for key, _ in flat]
+    missing = sorted(set(keys) - set(record["arrays"]))
+    unexpected = sorted(set(record["arrays"]) - set(keys))
+    if missing or unexpected:
+      raise CheckpointError(
+          f"checkpoint step {step} does not match the model: missing {missing[:5]}"
+          f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+          f"{' ...' if len(unexpected) > 5 else ''}")
+    leaves = [pieces.restore(key, leaf) for key, leaf in flat]
+    out, at = {}, 0
+    for name, tree in like.items():
+      _, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_leaf)
+      n = treedef.num_leaves
+      out[name] = jax.tree_util.tree_unflatten(treedef, leaves[at:at + n])
+      at += n
+    return out, dict(record["meta"])
+
+
+class _Pieces:
+  """The pieces of one checkpoint step, read through memory maps."""
+
+  def __init__(self, folder: Path, record: dict[str, Any], step: int):
+    self.folder, self.step, self.table = folder, step, record["arrays"]
+    self.by_key: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]] = {}
+    for process in range(int(record["processes"])):
+      path = folder / f"index.{process}.json"
+      try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+      except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read checkpoint step {step}: {path.name}: "
+                              f"{type(err).__name__}: {err}") from None
+      for key, start, shape, offset in entries:
+        self.by_key.setdefault(key, []).append((process, tuple(start), tuple(shape), offset))
+    self._maps: dict[int, np.memmap] = {}
+
+  def _bytes(self, process: int) -> np.memmap:
+    if process not in self._maps:
+      path = self.folder / f"shards.{process}.bin"
+      try:
+        self._maps[process] = np.memmap(path, dtype=np.uint8, mode="r")
+      except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read checkpoint step {self.step}: {path.name}: "
+                              f"{type(err).__name__}: {err}") from None
+    return self._maps[process]
+
+  def _piece(self, key: str, process: int, shape: tuple[int, ...], offset: int) -> np.ndarray:
+    dtype = jnp.dtype(self.table[key]["dtype"])
+    size = math.prod(shape) * dtype.itemsize
+    raw = self._bytes(process)
+    if offset + size > raw.size:
+      raise CheckpointError(f"checkpoint step {self.step} is truncated: "
+                            f"shards.{process}.bin ends inside {key!r}")
+    return raw[offset:offset + size].view(dtype).reshape(shape)
+
+  def restore(self, key: str, leaf: Any) -> Any:
+    target = _value(leaf)
+    layout, dim = _layout_of(leaf)
+    expected = _logical_shape(leaf)
+    saved = tuple(self.table[key]["shape"])
+    if saved != expected:
+      raise CheckpointError(f"checkpoint param {key!r}: got shape {saved}, expected {expected} "
+                            "(was it saved from another config?)")
+    if not isinstance(target, jax.Array):
+      return self._block(key, (slice(None),) * len(expected), expected, None, None,
+                         np.dtype(np.asarray(target).dtype))
+    blocks: dict[tuple, np.ndarray] = {}
+    arrays = []
+    for device, index in target.sharding.addressable_devices_indices_map(target.shape).items():
+      where = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, target.shape, strict=True))
+      marker = tuple((s.start, s.stop) for s in where)
+      if marker not in blocks:  # replicas of one block are read once
+        blocks[marker] = self._block(key, where, target.shape, layout, dim, target.dtype)
+      arrays.append(jax.device_put(blocks[marker], device))
+    blocks.clear()
+    value = jax.make_array_from_single_device_arrays(target.shape, target.sharding, arrays)
+    return leaf.replace(value) if isinstance(leaf, nnx.Variable) else value
+
+  def _block(self, key, where, shape, layout, dim, dtype) -> np.ndarray:
+    """One device block of the stored array: its logical data from the pieces, zero padding."""
+    where = tuple(slice(*s.indices(n)[:2]) for s, n in zip(where, shape, strict=True))
+    block = np.zeros([s.stop - s.start for s in where], dtype)
+    needed = filled = 0
+    for sl, start, box in _boxes(where, shape, layout, dim):
+      needed += math.prod(box)
+      for process, p_start, p_shape, offset in self.by_key.get(key, []):
+        lo = [max(a, b) for a, b in zip(start, p_start, strict=True)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(start, box, p_start, p_shape, strict=True)]
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
+          continue
+        piece = self._piece(key, process, p_shape, offset)
+        src = tuple(slice(a - b, h - b) for a, h, b in zip(lo, hi, p_start, strict=True))
+        dst = tuple(slice(s.start + a - b, s.start + h - b)
+                    for s, a, h, b in zip(sl, lo, hi, start, strict=True))
+        block[dst] = piece[src]
+        filled += math.prod(h - a for a, h in zip(lo, hi, strict=True))
+    if filled != needed:
+      raise CheckpointError(f"checkpoint step {self.step} lacks part of {key!r} "
+                            f"({needed - filled} of {needed} elements): an incomplete write?")
+    return block

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from flax_tp.collectives import axis_is_bound
-from flax_tp.state import partition_names
+from flax_tp.state import partition_names, place_on_mesh
 
 
 class ParallelModule(nnx.Module):
@@ -37,6 +37,11 @@ class ParallelModule(nnx.Module):
           f"axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
     self.mesh = mesh
     self.axis_name = axis_name
+
+  def __setstate__(self, state):
+    # Unpickled arrays are host copies: put the params back in their shards.
+    super().__setstate__(state)
+    place_on_mesh(self)
 
   @property
   def parallel_size(self) -> int:

@@ -18,6 +18,7 @@ def vocab_parallel_cross_entropy(
     axis_name: str = MODEL_AXIS,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    ignore_index: int | None = None,
 ) -> jax.Array:
   """Per-token cross-entropy from vocab-sharded logits, never gathering them.
 
@@ -26,7 +27,12 @@ def vocab_parallel_cross_entropy(
     ``axis_name``. Outside ``shard_map`` (axis not bound) it is the full
     ``[..., vocab]`` and the same formula runs on one device.
   labels: ``[...]`` int ids in ``[0, vocab_size)``, replicated over ``axis_name``.
+    Any other label gives a NaN loss (as optax's does for ids past the
+    vocabulary), so a bad label surfaces instead of training on garbage.
   vocab_size: the logical vocabulary; needed when the shards are padded.
+  ignore_index: a label that marks a token to leave out (HF's ``-100``): its
+    loss and gradient are exactly 0. Average over the kept tokens with
+    ``kept_token_count``.
   returns: ``[...]`` float32 loss per token, replicated over ``axis_name``.
 
   The loss is ``lse - (1 - a) * z_y - a * mean_j z_j + z_loss * lse**2`` with
@@ -76,4 +82,15 @@ def vocab_parallel_cross_entropy(
     loss = lse - reduce(target, "sum")
   if z_loss:
     loss = loss + z_loss * lse ** 2
+  in_vocab = (labels >= 0) & (labels < vocab)
+  loss = jnp.where(in_vocab, loss, jnp.nan)
+  if ignore_index is not None:
+    loss = jnp.where(labels == ignore_index, 0.0, loss)
   return loss
+
+
+def kept_token_count(labels: jax.Array, ignore_index: int | None) -> jax.Array:
+  """How many of ``labels`` count toward the mean loss (all, without ``ignore_index``)."""
+  if ignore_index is None:
+    return jnp.asarray(labels.size, jnp.float32)
+  return jnp.sum(labels != ignore_index).astype(jnp.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 import re
 from collections.abc import Sequence
 
@@ -66,3 +67,27 @@ def make_mesh(spec: str | Sequence[int], *,
   # a "model" row stays inside one process whenever M divides its device count.
   grid = np.array(available[:needed], dtype=object).reshape(data, model)
   return Mesh(grid, (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _rebuild_mesh(axis_names: tuple[str, ...], device_ids: list, shape: tuple[int, ...],
+                  axis_types: tuple) -> Mesh:
+  by_id = {d.id: d for d in jax.devices()}
+  missing = [i for i in device_ids if i not in by_id]
+  if missing:
+    raise ValueError(
+        f"cannot unpickle a mesh over devices {missing}: this process has devices "
+        f"{sorted(by_id)}. A mesh names devices of one JAX runtime; to move a model "
+        "elsewhere, save it with flax_tp.checkpoint.Checkpointer (restores on any mesh)")
+  grid = np.array([by_id[i] for i in device_ids], dtype=object).reshape(shape)
+  return Mesh(grid, axis_names, axis_types=axis_types)
+
+
+def _reduce_mesh(mesh: Mesh):
+  # JAX devices do not pickle; a mesh does by naming its devices by id, and is
+  # rebuilt from the same runtime's devices (e.g. for copy.deepcopy, or a pickle
+  # sent between threads/processes of one job).
+  return _rebuild_mesh, (tuple(mesh.axis_names), [d.id for d in mesh.devices.flat],
+                         mesh.devices.shape, tuple(mesh.axis_types))
+
+
+copyreg.pickle(Mesh, _reduce_mesh)

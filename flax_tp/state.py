@@ -96,6 +96,25 @@ def replicate_on_mesh(module: nnx.Module, mesh: Mesh) -> nnx.Module:
   return module
 
 
+def place_on_mesh(module: nnx.Module) -> nnx.Module:
+  """Puts every variable of ``module`` back on the mesh its metadata names.
+
+  Pickling keeps a variable's metadata (mesh, partition spec, layout) but turns
+  its array into a host copy; this restores the stored, sharded placement.
+  Called when a flax_tp layer or model is unpickled. Returns ``module``.
+  """
+  for _, var in nnx.to_flat_state(nnx.state(module)):
+    meta = var.get_metadata()
+    mesh, names = meta.get("mesh"), meta.get("out_sharding")
+    value = var[...]
+    if not isinstance(mesh, Mesh) or names is None or not hasattr(value, "shape"):
+      continue
+    sharding = NamedSharding(mesh, P(*names))
+    if not (isinstance(value, jax.Array) and value.sharding == sharding):
+      var[...] = place(np.asarray(value), sharding)
+  return module
+
+
 def _is_param(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import flax_tp
+from flax_tp.state import place_on_mesh
 from models import ops
 from models.config import TransformerConfig
 
@@ -102,6 +103,11 @@ class Transformer(nnx.Module):
   Standalone: tokens ``[b, s]`` -> logits ``[b, s, vocab]`` (it maps itself,
   batch sharded over ``"data"``), equal to ``ReferenceTransformer``'s.
   """
+
+  def __setstate__(self, state):
+    # Unpickled arrays are host copies: put every param back on the mesh.
+    super().__setstate__(state)
+    place_on_mesh(self)
 
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
     self.embed = flax_tp.VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, mesh=mesh,

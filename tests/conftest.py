@@ -1,10 +1,13 @@
 """Test set-up: 8 simulated CPU devices, set before jax is first imported."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Token caches of the tests' corpora go to a folder of this run, not the user's.
+os.environ.setdefault("FLAX_TP_CACHE", tempfile.mkdtemp(prefix="flax_tp_test_cache_"))
 
 import jax
 import pytest

@@ -86,3 +86,11 @@ def assert_padding_zero(module_or_state):
 
 def random(shape, seed=1, dtype=jnp.float32):
   return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def write_small_corpus(path, files=40, max_bytes=200_000):
+  """A small text file made of the first standard-library modules: quick, real Python."""
+  from train.data import stdlib_sources
+  data = b"\n\n".join(p.read_bytes() for p in stdlib_sources()[:files])[:max_bytes]
+  path.write_bytes(data)
+  return str(path)

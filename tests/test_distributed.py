@@ -22,10 +22,8 @@ FLAGS = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "16", "--eval-eve
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-  from train.data import read_corpus, stdlib_sources
-  path = tmp_path_factory.mktemp("data") / "corpus.py"
-  path.write_bytes(read_corpus(stdlib_sources()[:40], max_bytes=200_000))
-  return str(path)
+  from helpers import write_small_corpus
+  return write_small_corpus(tmp_path_factory.mktemp("data") / "corpus.py")
 
 
 def clean_env():

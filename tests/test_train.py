@@ -19,10 +19,8 @@ from train.step import Trainer, make_optimizer
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
   """A small text file (a few stdlib modules): quick to load, real Python."""
-  from train.data import read_corpus, stdlib_sources
-  path = tmp_path_factory.mktemp("data") / "corpus.py"
-  path.write_bytes(read_corpus(stdlib_sources()[:40], max_bytes=200_000))
-  return str(path)
+  from helpers import write_small_corpus
+  return write_small_corpus(tmp_path_factory.mktemp("data") / "corpus.py")
 
 
 def train(tmp_path, corpus, name, *flags):

@@ -1,21 +1,38 @@
 """Byte-level text data: the default corpus is the Python standard library's source.
 
 Every machine with Python has it (found through ``sysconfig``), so training
-needs no download. Tokens are bytes (vocabulary 256). Batches are random
-windows drawn from ``(seed, step)`` alone, so any step's batch can be rebuilt
-(resume is exact) and each process can build only its own rows.
+needs no download. Tokens are bytes (vocabulary 256).
+
+A corpus of any size is tokenized once into a token file that is memory-mapped,
+never held whole in memory: files are streamed in chunks, and a file whose
+first 4 KiB hold a NUL byte is taken as binary and skipped after reading only
+those. The token file is cached (``$FLAX_TP_CACHE``, default
+``~/.cache/flax_tp``), keyed by the tokenizer and every source file's path,
+size and modification time, and written atomically.
+
+Batches are random windows drawn from ``(seed, step)`` alone, so any step's
+batch can be rebuilt (resume is exact) and each process reads only its own rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 import sysconfig
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-DEFAULT_MAX_BYTES = 16 * 2**20
 EVAL_FRACTION = 0.05
+SNIFF_BYTES = 4096
+CHUNK_BYTES = 1 << 20
+SEPARATOR = b"\n\n"  # between files
+TOKENIZER = "bytes"  # part of the cache key
+STDLIB = "the Python standard library"
 
 
 def stdlib_sources() -> list[Path]:
@@ -34,47 +51,102 @@ def text_files(path: Path) -> list[Path]:
   raise ValueError(f"--data {str(path)!r} is neither a file nor a folder")
 
 
-def read_corpus(files: list[Path], max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-  """The files' bytes joined by blank lines, up to ``max_bytes``; binary files skipped."""
-  parts, total = [], 0
+def cache_dir() -> Path:
+  return Path(os.environ.get("FLAX_TP_CACHE") or Path.home() / ".cache" / "flax_tp")
+
+
+def fingerprint(files: list[Path]) -> str:
+  """Identifies the sources and the tokenizer: what the cached token file was built from."""
+  h = hashlib.sha256(TOKENIZER.encode())
   for file in files:
     try:
-      data = file.read_bytes()
+      st = file.stat()
+      h.update(f"\0{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     except OSError:
-      continue
-    if b"\0" in data[:4096]:  # not text
-      continue
-    parts.append(data)
-    total += len(data) + 2
-    if total >= max_bytes:
-      break
-  return b"\n\n".join(parts)[:max_bytes]
+      h.update(f"\0{file}\0unreadable".encode())
+  return h.hexdigest()
+
+
+def tokenize_to_file(files: list[Path], out, progress=None) -> dict[str, Any]:
+  """Streams the text files' bytes into ``out``, separated by blank lines.
+
+  Returns what was read: file and token counts, the files skipped as binary or
+  unreadable, and the byte counts (for the unigram entropy without a second pass).
+  """
+  counts = np.zeros(256, np.int64)
+  report = {"files": 0, "tokens": 0, "binary": [], "unreadable": []}
+  for file in files:
+    try:
+      with open(file, "rb") as f:
+        chunk = f.read(max(CHUNK_BYTES, SNIFF_BYTES))
+        if b"\0" in chunk[:SNIFF_BYTES]:
+          report["binary"].append(str(file))
+        else:
+          if report["files"] and chunk:
+            out.write(SEPARATOR)
+            counts[ord("\n")] += len(SEPARATOR)
+            report["tokens"] += len(SEPARATOR)
+          report["files"] += bool(chunk)
+          while chunk:
+            out.write(chunk)
+            counts += np.bincount(np.frombuffer(chunk, np.uint8), minlength=256)
+            report["tokens"] += len(chunk)
+            chunk = f.read(CHUNK_BYTES)
+    except OSError:
+      report["unreadable"].append(str(file))
+    if progress is not None:
+      progress(file)
+  report["byte_counts"] = counts.tolist()
+  return report
 
 
 @dataclasses.dataclass(frozen=True)
 class ByteCorpus:
-  """A token stream split into a training part and a held-out tail for eval."""
+  """A memory-mapped token stream: a training part and a held-out tail for eval."""
 
-  train: np.ndarray  # [n_train] uint8
-  eval: np.ndarray  # [n_eval] uint8
+  tokens: np.ndarray  # [n] uint8, memory-mapped
+  n_eval: int
   source: str
+  report: dict[str, Any]
+  fingerprint: str
+
+  @property
+  def train(self) -> np.ndarray:
+    return self.tokens[:-self.n_eval]
+
+  @property
+  def eval(self) -> np.ndarray:
+    return self.tokens[-self.n_eval:]
 
   @classmethod
-  def load(cls, data: str | None = None, *, seq_len: int,
-           max_bytes: int = DEFAULT_MAX_BYTES) -> ByteCorpus:
+  def load(cls, data: str | None = None, *, seq_len: int, show_progress: bool = False,
+           cache: Path | None = None) -> ByteCorpus:
     files = stdlib_sources() if data is None else text_files(Path(data))
-    tokens = np.frombuffer(read_corpus(files, max_bytes), dtype=np.uint8)
-    source = "the Python standard library" if data is None else str(data)
-    n_eval = max(int(len(tokens) * EVAL_FRACTION), seq_len + 2)
-    if len(tokens) - n_eval < seq_len + 2:
+    source = STDLIB if data is None else str(data)
+    key = fingerprint(files)
+    tokens_path, report = _cached_tokens(files, key, cache or cache_dir(), show_progress)
+    n = report["tokens"]
+    if n == 0:
+      raise ValueError(f"--data {source!r} has no text: {_skipped(report) or 'no bytes'}")
+    tokens = np.memmap(tokens_path, dtype=np.uint8, mode="r", shape=(n,))
+    n_eval = max(int(n * EVAL_FRACTION), seq_len + 2)
+    if n - n_eval < seq_len + 2:
       raise ValueError(
-          f"--data {source!r} has {len(tokens)} bytes: too little text for --seq-len "
-          f"{seq_len} (need at least {2 * (seq_len + 2)})")
-    return cls(tokens[:-n_eval], tokens[-n_eval:], source)
+          f"--data {source!r} has {n} bytes of text: too little for --seq-len {seq_len} "
+          f"(need at least {2 * (seq_len + 2)})")
+    return cls(tokens, n_eval, source, report, key)
+
+  def describe(self) -> str:
+    """One line: how many tokens came from where, what was skipped."""
+    r = self.report
+    skipped = _skipped(r)
+    return (f"{r['tokens']:,} tokens (bytes) from {r['files']:,} file(s) of {self.source}"
+            f"{f'; skipped {skipped}' if skipped else ''} | {len(self.train):,} train / "
+            f"{len(self.eval):,} eval")
 
   def unigram_entropy(self) -> float:
     """Entropy (nats) of the byte distribution: what a model without context scores."""
-    counts = np.bincount(self.train, minlength=256).astype(np.float64)
+    counts = np.asarray(self.report["byte_counts"], np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
@@ -88,7 +160,53 @@ class ByteCorpus:
   def rows(self, split: str, starts: np.ndarray, seq_len: int) -> np.ndarray:
     """``[len(starts), seq_len + 1]`` int32 windows (inputs plus the next-byte targets)."""
     tokens = self.train if split == "train" else self.eval
-    return tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    return np.stack([np.asarray(tokens[s:s + seq_len + 1]) for s in starts]).astype(np.int32)
 
   def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> np.ndarray:
     return self.rows(split, self.window_starts(split, seed, step, batch_size, seq_len), seq_len)
+
+
+def _skipped(report: dict[str, Any]) -> str:
+  parts = []
+  for kind in ("binary", "unreadable"):
+    names = report[kind]
+    if names:
+      parts.append(f"{len(names)} {kind} file(s) (e.g. {names[0]})")
+  return ", ".join(parts)
+
+
+def _cached_tokens(files: list[Path], key: str, cache: Path,
+                   show_progress: bool) -> tuple[Path, dict[str, Any]]:
+  """The token file for ``files`` (built on a miss) and its report."""
+  tokens_path = cache / f"tokens-{key[:32]}.bin"
+  report_path = cache / f"tokens-{key[:32]}.json"
+  try:
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    if report.get("fingerprint") == key and tokens_path.stat().st_size == report["tokens"]:
+      return tokens_path, report
+  except (OSError, ValueError, KeyError, AttributeError):
+    pass
+  cache.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tokens-", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as out:
+      if show_progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        with Progress(TextColumn("[bold]tokenizing"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("files"), transient=True) as bar:
+          task = bar.add_task("tokenize", total=len(files))
+          report = tokenize_to_file(files, out, lambda _: bar.advance(task))
+      else:
+        report = tokenize_to_file(files, out)
+      out.flush()
+      os.fsync(out.fileno())
+    report["fingerprint"] = key
+    os.replace(tmp, tokens_path)  # the token file first: a report always has its tokens
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tokens-", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      json.dump(report, f)
+    os.replace(tmp, report_path)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+  return tokens_path, report

@@ -57,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "FLAX_TP_COORDINATOR": f"127.0.0.1:{port}",
            "FLAX_TP_NUM_PROCESSES": str(args.processes), "FLAX_TP_PROCESS_ID": str(pid),
            "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    # A session of its own: a terminal's Ctrl-C reaches the launcher only, which
+    # forwards it once (a second, separate signal would make run.py abort unsaved).
     child = subprocess.Popen([sys.executable, str(RUN), *run_args], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)
     prefix = "" if pid == 0 else f"[process {pid}] "
     # Only process 0 speaks; the others' stdout is their (silent) console.
     threading.Thread(target=_pump, args=(child.stdout, sys.stdout if pid == 0 else
@@ -66,22 +69,32 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_pump, args=(child.stderr, sys.stderr, prefix), daemon=True).start()
     children.append(child)
 
+  interrupted: list[int] = []
+
+  def forward(signum, _frame):
+    # Each signal the launcher gets goes to every child once: the first makes
+    # them save and stop together, a second makes them abort at once.
+    interrupted.append(signum)
+    for c in children:
+      if c.poll() is None:
+        c.send_signal(signum)
+
+  for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, forward)
   status = 0
-  try:
-    while any(c.poll() is None for c in children):
-      failed = [(i, c.returncode) for i, c in enumerate(children) if c.returncode not in (None, 0)]
-      if failed:
-        pid, status = failed[0]
-        print(f"train/launch.py: process {pid} exited with status {status}; stopping the others",
-              file=sys.stderr, flush=True)
-        _stop(children, args.grace)
-        break
-      time.sleep(0.2)
-  except KeyboardInterrupt:
-    _stop(children, args.grace)
-    return 130
+  while any(c.poll() is None for c in children):
+    failed = [(i, c.returncode) for i, c in enumerate(children) if c.returncode not in (None, 0)]
+    if failed and not interrupted:
+      pid, status = failed[0]
+      print(f"train/launch.py: process {pid} exited with status {status}; stopping the others",
+            file=sys.stderr, flush=True)
+      _stop(children, args.grace)
+      break
+    time.sleep(0.2)
   codes = [c.wait() for c in children]
   time.sleep(0.2)  # let the output threads drain
+  if interrupted:
+    return 128 + interrupted[0]
   return status or next((c for c in codes if c), 0)
 
 

@@ -6,7 +6,11 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import signal
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -17,11 +21,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import flax_tp
-from flax_tp.checkpoint import Checkpointer, CheckpointError
+from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
 from models.config import TransformerConfig
 from models.transformer import Transformer
 from train.data import ByteCorpus
-from train.errors import UsageError
+from train.errors import RunError, UsageError
 from train.sample import generate
 from train.step import LossOptions, Trainer, make_optimizer
 
@@ -67,8 +71,20 @@ def _mib(n: int) -> str:
 
 
 class MetricsWriter:
-  def __init__(self, path: str | None):
-    self.file = open(path, "a", encoding="utf-8") if path and is_main_process() else None
+  """One JSON line per record, appended (process 0 only).
+
+  On resume from step ``resume_from``, records past it (steps the interrupted
+  run did after its last checkpoint, which this run does again) are dropped
+  first, so the file holds each step once.
+  """
+
+  def __init__(self, path: str | None, resume_from: int | None = None):
+    self.file = None
+    if not (path and is_main_process()):
+      return
+    if resume_from is not None and os.path.exists(path):
+      _drop_records_after(Path(path), resume_from)
+    self.file = open(path, "a", encoding="utf-8")
 
   def write(self, record: dict[str, Any]) -> None:
     if self.file:
@@ -78,6 +94,129 @@ class MetricsWriter:
   def close(self) -> None:
     if self.file:
       self.file.close()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+  kept = []
+  for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue  # a line cut short by a kill
+    if not (isinstance(record, dict) and isinstance(record.get("step"), int)
+            and record["step"] > step):
+      kept.append(line)
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+  os.replace(tmp, path)
+
+
+class Interrupts:
+  """SIGINT and SIGTERM ask the loop to stop after the step in flight; a second aborts.
+
+  The handler only records the signal: the step runs to completion, so its
+  (donated) inputs are replaced by whole outputs before anything is saved.
+  """
+
+  SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+  def __init__(self):
+    self.received: int | None = None
+    self._previous: dict[int, Any] = {}
+
+  def __enter__(self) -> Interrupts:
+    if threading.current_thread() is threading.main_thread():
+      for signum in self.SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+
+  def _handle(self, signum: int, _frame) -> None:
+    name = signal.Signals(signum).name
+    if self.received is not None:
+      os.write(2, f"train/run.py: second signal ({name}): aborting without saving\n".encode())
+      os._exit(128 + signum)
+    self.received = signum
+    os.write(2, f"\n{name} received: stopping after the current step (send it again to "
+                f"abort at once)\n".encode())
+
+  def requested(self) -> bool:
+    """Whether any process of the run was signalled (all processes agree, then stop
+    at the same step)."""
+    if jax.process_count() == 1:
+      return self.received is not None
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.int32(self.received is not None))
+    return bool(np.any(flags))
+
+  @property
+  def exit_status(self) -> int:
+    return 128 + (self.received or signal.SIGINT)
+
+
+def run_identity(args: argparse.Namespace, cfg: TransformerConfig,
+                 corpus: ByteCorpus) -> dict[str, Any]:
+  """What makes a run this run: a checkpoint of another is never resumed silently."""
+  return dict(config=dataclasses.asdict(cfg), seed=args.seed, batch_size=args.batch_size,
+              seq_len=args.seq_len, data=corpus.source,
+              optimizer=dict(lr=args.lr, warmup_steps=args.warmup_steps,
+                             weight_decay=args.weight_decay, grad_clip=args.grad_clip),
+              loss=dict(label_smoothing=args.label_smoothing, z_loss=args.z_loss))
+
+
+def _differences(saved: dict[str, Any], ours: dict[str, Any], prefix: str = "") -> list[str]:
+  out = []
+  for key in sorted(set(saved) | set(ours)):
+    a, b = saved.get(key), ours.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _differences(a, b, f"{prefix}{key}.")
+    elif a != b:
+      out.append(f"{prefix}{key} {a!r} there, {b!r} here")
+  return out
+
+
+def claim_checkpoint_dir(args: argparse.Namespace, checkpointer: Checkpointer,
+                         console: Console) -> None:
+  """A fresh run never mixes with, or silently deletes, another run's checkpoints."""
+  steps = checkpointer.steps()
+  if args.resume or not steps:
+    return
+  listed = ", ".join(map(str, steps))
+  if not args.overwrite:
+    raise UsageError(
+        f"--checkpoint-dir {args.checkpoint_dir!r} holds checkpoints of an earlier run (steps "
+        f"{listed}); pass --resume to continue that run, choose another --checkpoint-dir, or "
+        "pass --overwrite to delete them")
+  if is_main_process():
+    checkpointer.delete_all()
+  console.print(f"--overwrite: deleted the earlier run's checkpoints (steps {listed}) in "
+                f"{args.checkpoint_dir}")
+
+
+def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
+                 identity: dict[str, Any], corpus: ByteCorpus) -> tuple[int, list[str]]:
+  """The step to resume from, after checking that the checkpoint is this run's."""
+  if checkpointer.latest_step() is None:
+    raise UsageError(f"--resume: no checkpoint in {args.checkpoint_dir!r}")
+  meta = checkpointer.read_meta()
+  differences = _differences(meta.get("run", {}), identity)
+  if differences:
+    raise UsageError(
+        f"--resume: the checkpoints in {args.checkpoint_dir!r} belong to another run ("
+        f"{'; '.join(differences[:4])}{'; ...' if len(differences) > 4 else ''}); pass the "
+        "flags it was started with, or use another --checkpoint-dir")
+  if int(meta["step"]) >= args.steps:  # decided before reading any array
+    raise UsageError(f"--resume: the checkpoint in {args.checkpoint_dir!r} is at step "
+                     f"{meta['step']}, already at --steps {args.steps}; raise --steps to "
+                     "train further")
+  notes = []
+  if meta.get("data_fingerprint") != corpus.fingerprint:
+    notes.append("note: the data files changed since the checkpoint was written; batches "
+                 "after it will differ from the interrupted run's")
+  return int(meta["step"]), notes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,10 +232,22 @@ def run(args: argparse.Namespace) -> int:
                      f"data axis of --mesh {args.mesh}")
   cfg = TransformerConfig.preset(args.preset, max_seq_len=args.seq_len, dropout=args.dropout,
                                  dtype=args.dtype)
+  checkpointer = None
+  if args.checkpoint_dir:
+    checkpointer = Checkpointer(args.checkpoint_dir, max_to_keep=args.keep_checkpoints or None,
+                                asynchronous=True)
+    claim_checkpoint_dir(args, checkpointer, console)
   try:
-    corpus = ByteCorpus.load(args.data, seq_len=args.seq_len)
+    corpus = ByteCorpus.load(args.data, seq_len=args.seq_len, show_progress=is_main_process())
   except ValueError as err:
     raise UsageError(str(err)) from None
+  identity = run_identity(args, cfg, corpus)
+  start, notes = 0, []
+  if args.resume:
+    try:
+      start, notes = resume_point(args, checkpointer, identity, corpus)
+    except CheckpointError as err:
+      raise UsageError(str(err)) from None
 
   model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(args.seed))
   tx = make_optimizer(lr=args.lr, steps=args.steps, warmup_steps=args.warmup_steps,
@@ -104,28 +255,12 @@ def run(args: argparse.Namespace) -> int:
   trainer = Trainer(model, tx, LossOptions(args.label_smoothing, args.z_loss))
   del model
   params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
-
-  checkpointer = Checkpointer(args.checkpoint_dir) if args.checkpoint_dir else None
-  start = 0
-  run_meta = dict(config=dataclasses.asdict(cfg), seed=args.seed, batch_size=args.batch_size,
-                  seq_len=args.seq_len, steps=args.steps)
-  if args.resume:
-    if checkpointer.latest_step() is None:
-      raise UsageError(f"--resume: no checkpoint in {args.checkpoint_dir!r}")
+  if start:
     try:
-      meta = checkpointer.read_meta()
-      if meta.get("config") != run_meta["config"]:
-        raise UsageError(f"checkpoint in {args.checkpoint_dir!r} was written for another model "
-                         f"config ({meta.get('config')}); pass the same --preset/--seq-len/"
-                         "--dropout/--dtype")
-      if int(meta["step"]) >= args.steps:  # decided before reading any array
-        raise UsageError(f"--resume: the checkpoint in {args.checkpoint_dir!r} is at step "
-                         f"{meta['step']}, already at --steps {args.steps}; raise --steps to "
-                         "train further")
-      restored, meta = checkpointer.restore({"params": params, "opt_state": opt_state})
+      restored, _ = checkpointer.restore({"params": params, "opt_state": opt_state}, start)
     except CheckpointError as err:
       raise UsageError(str(err)) from None
-    params, opt_state, start = restored["params"], restored["opt_state"], int(meta["step"])
+    params, opt_state = restored["params"], restored["opt_state"]
 
   summary = param_summary(params)
   devices = jax.devices()
@@ -139,13 +274,14 @@ def run(args: argparse.Namespace) -> int:
   console.print(f"model: preset {args.preset}, {summary['params']:,} params | per device: "
                 f"sharded {_mib(summary['sharded_bytes_per_device'])}, replicated "
                 f"{_mib(summary['replicated_bytes_per_device'])}")
-  console.print(f"data: {corpus.source}, {len(corpus.train):,} train / {len(corpus.eval):,} "
-                f"eval bytes, unigram entropy {corpus.unigram_entropy():.3f} nats | batch "
-                f"{args.batch_size} x {args.seq_len} tokens")
+  console.print(f"data: {corpus.describe()} | unigram entropy {corpus.unigram_entropy():.3f} "
+                f"nats | batch {args.batch_size} x {args.seq_len} tokens")
+  for note in notes:
+    console.print(note, markup=False)
   if start:
     console.print(f"resumed from step {start} in {args.checkpoint_dir}")
 
-  metrics = MetricsWriter(args.metrics_file)
+  metrics = MetricsWriter(args.metrics_file, resume_from=start if args.resume else None)
   dropout_key = jax.random.key(args.seed + 1) if args.dropout > 0 else None
 
   def evaluate(params) -> float:
@@ -156,73 +292,90 @@ def run(args: argparse.Namespace) -> int:
 
   def save(step: int) -> None:
     if checkpointer is not None:
-      checkpointer.save(step, {"params": params, "opt_state": opt_state},
-                        {**run_meta, "step": step})
+      try:
+        checkpointer.save(step, {"params": params, "opt_state": opt_state},
+                          {"run": identity, "step": step, "steps": args.steps,
+                           "data_fingerprint": corpus.fingerprint})
+      except CheckpointSaveError as err:
+        raise RunError(str(err)) from err
+
+  def finish_saves() -> None:
+    if checkpointer is not None:
+      try:
+        checkpointer.wait()
+      except CheckpointSaveError as err:
+        raise RunError(str(err)) from err
 
   tokens_per_step = args.batch_size * args.seq_len
-  first_eval = evaluate(params) if start == 0 else None
-  if first_eval is not None:
-    console.print(f"step 0: eval loss {first_eval:.4f}")
-    metrics.write({"step": 0, "eval_loss": first_eval})
-  last_eval, loss, rate = first_eval, float("nan"), 0.0
-  progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("loss {task.fields[loss]}"),
-                      TextColumn("{task.fields[rate]} tok/s"), TimeRemainingColumn(),
-                      console=console, transient=False)
-  task = progress.add_task("train", total=args.steps, completed=start, loss="-", rate="-")
+  last_eval, loss, rate = None, float("nan"), 0.0
   timed_steps, timed_seconds = 0, 0.0
   done = start
-  try:
-    with progress:
-      for step in range(start, args.steps):
-        t0 = time.perf_counter()
-        tokens = global_batch(corpus, "train", args.seed, step, args.batch_size, args.seq_len,
-                              trainer.batch_sharding)
-        key = None if dropout_key is None else jax.random.fold_in(dropout_key, step)
-        new_params, new_opt_state, out = trainer.train_step(params, opt_state, tokens, key)
-        loss = float(out["loss"])
-        if not math.isfinite(loss):
-          last = checkpointer.latest_step() if checkpointer else None
-          kept = (f"last good checkpoint: step {last} in {args.checkpoint_dir}" if last is not None
-                  else "no checkpoint was written")
-          progress.stop()
-          errors.print(f"error: loss is {loss} at step {step + 1}; stopping ({kept})",
-                       markup=False)
-          metrics.write({"step": step + 1, "loss": loss, "error": "non-finite loss"})
-          return 1
-        params, opt_state = new_params, new_opt_state
-        elapsed = time.perf_counter() - t0
-        if step > start:  # the first step compiles
-          timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
-          rate = tokens_per_step * timed_steps / timed_seconds
-        done = step + 1
-        record = {"step": done, "loss": loss, "grad_norm": float(out["grad_norm"]),
-                  "tokens_per_s": round(rate, 1), "step_time_s": round(elapsed, 4)}
-        if (args.eval_every and done % args.eval_every == 0) or done == args.steps:
-          last_eval = record["eval_loss"] = evaluate(params)
-          progress.console.print(f"step {done}: train loss {loss:.4f}, eval loss "
-                                 f"{last_eval:.4f}")
-        metrics.write(record)
-        progress.update(task, completed=done, loss=f"{loss:.4f}", rate=f"{rate:,.0f}")
-        if args.checkpoint_every and done % args.checkpoint_every == 0 and done != args.steps:
-          save(done)
-  except KeyboardInterrupt:
-    progress.stop()
-    # The step in flight has consumed (donated) the old params; only a state that
-    # is still whole is saved.
-    whole = not any(x.is_deleted() for x in jax.tree.leaves((params, opt_state)))
-    if checkpointer is not None and jax.process_count() == 1 and done > start and whole:
-      save(done)  # params and optimizer state of the last completed step
-      errors.print(f"interrupted after step {done}; checkpoint saved in {args.checkpoint_dir}",
-                   markup=False)
-    else:
-      errors.print(f"interrupted after step {done}", markup=False)
-    return 130
-  finally:
-    metrics.close()
-  save(args.steps)
-  if checkpointer is not None:
-    checkpointer.close()
+  with Interrupts() as interrupts:
+    try:
+      if start == 0:
+        last_eval = evaluate(params)
+        console.print(f"step 0: eval loss {last_eval:.4f}")
+        metrics.write({"step": 0, "eval_loss": last_eval})
+      progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("loss {task.fields[loss]}"),
+                          TextColumn("{task.fields[rate]} tok/s"), TimeRemainingColumn(),
+                          console=console, transient=False)
+      task = progress.add_task("train", total=args.steps, completed=start, loss="-", rate="-")
+      with progress:
+        for step in range(start, args.steps):
+          if interrupts.requested():
+            break
+          t0 = time.perf_counter()
+          tokens = global_batch(corpus, "train", args.seed, step, args.batch_size,
+                                args.seq_len, trainer.batch_sharding)
+          key = None if dropout_key is None else jax.random.fold_in(dropout_key, step)
+          new_params, new_opt_state, out = trainer.train_step(params, opt_state, tokens, key)
+          loss = float(out["loss"])
+          if not math.isfinite(loss):
+            finish_saves()
+            last = checkpointer.latest_step() if checkpointer else None
+            kept = (f"last good checkpoint: step {last} in {args.checkpoint_dir}"
+                    if last is not None else "no checkpoint was written")
+            progress.stop()
+            errors.print(f"error: loss is {loss} at step {step + 1}; stopping ({kept})",
+                         markup=False)
+            metrics.write({"step": step + 1, "loss": loss, "error": "non-finite loss"})
+            return 1
+          params, opt_state = new_params, new_opt_state
+          elapsed = time.perf_counter() - t0
+          if step > start:  # the first step compiles
+            timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
+            rate = tokens_per_step * timed_steps / timed_seconds
+          done = step + 1
+          record = {"step": done, "loss": loss, "grad_norm": float(out["grad_norm"]),
+                    "tokens_per_s": round(rate, 1), "step_time_s": round(elapsed, 4)}
+          if (args.eval_every and done % args.eval_every == 0) or done == args.steps:
+            last_eval = record["eval_loss"] = evaluate(params)
+            progress.console.print(f"step {done}: train loss {loss:.4f}, eval loss "
+                                   f"{last_eval:.4f}")
+          metrics.write(record)
+          progress.update(task, completed=done, loss=f"{loss:.4f}", rate=f"{rate:,.0f}")
+          if args.checkpoint_every and done % args.checkpoint_every == 0 and done != args.steps:
+            save(done)
+      if done < args.steps:  # stopped by a signal
+        name = signal.Signals(interrupts.received or signal.SIGINT).name
+        if checkpointer is None:
+          saved = "no checkpoint written (no --checkpoint-dir)"
+        elif done == start:
+          saved = f"no new step to save; the latest checkpoint is step {start}" if start else \
+              "no step completed, nothing to save"
+        else:
+          if checkpointer.latest_step() != done:
+            save(done)
+          finish_saves()
+          saved = f"checkpoint of step {done} saved in {args.checkpoint_dir}; --resume " \
+                  "continues from it"
+        errors.print(f"{name}: stopped after step {done}; {saved}", markup=False)
+        return interrupts.exit_status
+      save(args.steps)
+      finish_saves()
+    finally:
+      metrics.close()
 
   if args.sample_length:
     sample = generate(trainer, params, args.sample_prompt.encode(), length=args.sample_length,

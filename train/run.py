@@ -15,6 +15,7 @@ import argparse
 import math
 import os
 import sys
+import traceback
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -22,11 +23,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from models.config import TransformerConfig
 from train import distributed as train_distributed
-from train.errors import UsageError
+from train.errors import RunError, UsageError
 
 DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=128, lr=3e-3,
                 warmup_steps=40, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
-                dtype="float32", seed=0, eval_every=100, checkpoint_every=0,
+                dtype="float32", seed=0, eval_every=100, checkpoint_every=0, keep_checkpoints=3,
                 sample_prompt="def ", sample_length=200, init_timeout=60, heartbeat_timeout=20)
 
 
@@ -74,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
                  help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir")
   p.add_argument("--resume", action="store_true",
-                 help="continue from the latest checkpoint in --checkpoint-dir, on any mesh")
+                 help="continue the run whose checkpoints are in --checkpoint-dir, on any mesh")
+  p.add_argument("--overwrite", action="store_true",
+                 help="start a fresh run in a --checkpoint-dir that holds another run's "
+                      "checkpoints, deleting them (without it such a directory is refused)")
+  p.add_argument("--keep-checkpoints", type=int, default=d["keep_checkpoints"],
+                 help="how many of this run's newest checkpoints to keep (0: all)")
   p.add_argument("--metrics-file", default=None, help="append one JSON line per step here")
   p.add_argument("--sample-prompt", default=d["sample_prompt"],
                  help="prompt for the text sample printed at the end")
@@ -96,28 +102,78 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+INT_MAX = 2**31 - 1  # steps, sizes and counters are int32 inside the compiled step
+SEED_LIMIT = 2**32
+MAX_SIMULATED_DEVICES = 1024  # XLA's CPU client aborts the process on absurd counts
+
+
+def _flag(name: str) -> str:
+  return "--" + name.replace("_", "-")
+
+
 def check_args(args: argparse.Namespace) -> None:
-  positive = ("steps", "batch_size", "seq_len")
-  for name in positive:
-    if getattr(args, name) < 1:
-      raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-  for name in ("warmup_steps", "eval_every", "checkpoint_every", "sample_length"):
-    if getattr(args, name) < 0:
-      raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-  if not (args.lr > 0 and math.isfinite(args.lr)):
-    raise UsageError(f"--lr must be a positive number, got {args.lr}")
-  if args.weight_decay < 0 or args.grad_clip < 0:
-    raise UsageError("--weight-decay and --grad-clip must be >= 0")
-  if not 0.0 <= args.label_smoothing <= 1.0 or args.z_loss < 0:
-    raise UsageError("--label-smoothing must be in [0, 1] and --z-loss >= 0")
-  if not 0.0 <= args.dropout < 1.0:
-    raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
-  if args.resume and not args.checkpoint_dir:
-    raise UsageError("--resume needs --checkpoint-dir")
-  if args.checkpoint_every and not args.checkpoint_dir:
-    raise UsageError("--checkpoint-every needs --checkpoint-dir")
+  """Every flag checked as a number or a path before any work starts (UsageError)."""
+  int_ranges = {"steps": 1, "batch_size": 1, "seq_len": 1, "warmup_steps": 0, "eval_every": 0,
+                "checkpoint_every": 0, "keep_checkpoints": 0, "sample_length": 0,
+                "init_timeout": 1, "heartbeat_timeout": 1}
+  for name, low in int_ranges.items():
+    value = getattr(args, name)
+    if not low <= value <= INT_MAX:
+      raise UsageError(f"{_flag(name)} must be an integer in [{low}, {INT_MAX}], got {value}")
+  if not 0 <= args.seed < SEED_LIMIT:
+    raise UsageError(f"--seed must be an integer in [0, 2**32), got {args.seed}")
+  # Floats: NaN fails every comparison, so each range is written as the
+  # condition that must hold, and infinities are refused separately.
+  float_ranges = {"lr": ("a positive number", lambda v: v > 0),
+                  "weight_decay": ("a number >= 0", lambda v: v >= 0),
+                  "grad_clip": ("a number >= 0 (0: off)", lambda v: v >= 0),
+                  "label_smoothing": ("a number in [0, 1]", lambda v: 0 <= v <= 1),
+                  "z_loss": ("a number >= 0", lambda v: v >= 0),
+                  "dropout": ("a number in [0, 1)", lambda v: 0 <= v < 1)}
+  for name, (expected, ok) in float_ranges.items():
+    value = getattr(args, name)
+    if not (math.isfinite(value) and ok(value)):
+      raise UsageError(f"{_flag(name)} must be {expected}, got {value}")
+  if args.resume and args.overwrite:
+    raise UsageError("--resume and --overwrite contradict each other: --resume continues the "
+                     "run in --checkpoint-dir, --overwrite deletes its checkpoints")
+  for flag, needs in (("resume", args.resume), ("overwrite", args.overwrite),
+                      ("checkpoint_every", args.checkpoint_every)):
+    if needs and not args.checkpoint_dir:
+      raise UsageError(f"{_flag(flag)} needs --checkpoint-dir")
   if args.data is not None and not Path(args.data).exists():
     raise UsageError(f"--data {args.data!r} does not exist")
+  if args.checkpoint_dir:
+    check_writable_dir("--checkpoint-dir", Path(args.checkpoint_dir))
+  if args.metrics_file:
+    check_writable_file("--metrics-file", Path(args.metrics_file))
+
+
+def check_writable_dir(flag: str, path: Path) -> None:
+  """``path`` is, or can be made, a folder this process can write into."""
+  if path.exists() and not path.is_dir():
+    raise UsageError(f"{flag} {str(path)!r} is a file, not a folder")
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as err:
+    raise UsageError(f"{flag} {str(path)!r} cannot be created: {err.strerror}") from None
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise UsageError(f"{flag} {str(path)!r} is not writable")
+
+
+def check_writable_file(flag: str, path: Path) -> None:
+  """``path`` is a file that can be appended to, or can be created (nothing is written)."""
+  if path.is_dir():
+    raise UsageError(f"{flag} {str(path)!r} is a folder, not a file")
+  if path.exists():
+    if not os.access(path, os.W_OK):
+      raise UsageError(f"{flag} {str(path)!r} is not writable")
+    return
+  parent = path.parent
+  if not parent.is_dir():
+    raise UsageError(f"{flag} {str(path)!r}: folder {str(parent)!r} does not exist")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise UsageError(f"{flag} {str(path)!r}: folder {str(parent)!r} is not writable")
 
 
 def provide_cpu_devices(count: int) -> None:
@@ -141,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     if (data * model) % processes:
       raise UsageError(f"--mesh {args.mesh} has {data * model} devices, which "
                        f"{processes} processes cannot share evenly")
+    if data * model // processes > MAX_SIMULATED_DEVICES and not os.environ.get("XLA_FLAGS"):
+      raise UsageError(f"--mesh {args.mesh} needs {data * model:,} devices; at most "
+                       f"{MAX_SIMULATED_DEVICES} per process can be simulated on a CPU")
     provide_cpu_devices(data * model // processes)
     if distributed:
       train_distributed.silence_native_stdout()
@@ -149,10 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     from train.loop import run  # imports jax: after the device count is set
     try:
       return run(args)
+    except (UsageError, RunError):
+      raise
     except Exception as err:
       reason = train_distributed.lost_peer(err) if distributed else None
       if reason is None:
-        raise
+        raise RunError(one_line(err)) from err
       # Straight to the file descriptor (a live progress display may still hold
       # sys.stderr), then skip JAX's shutdown barrier, which would wait for the
       # dead process.
@@ -161,9 +222,21 @@ def main(argv: list[str] | None = None) -> int:
   except UsageError as err:
     print(f"train/run.py: error: {err}", file=sys.stderr)
     return 2
-  except train_distributed.DistributedError as err:
+  except KeyboardInterrupt:  # outside the training loop, which saves and stops by itself
+    print("train/run.py: interrupted", file=sys.stderr)
+    return 130
+  except (train_distributed.DistributedError, RunError) as err:
     print(f"train/run.py: error: {err}", file=sys.stderr)
+    if os.environ.get("FLAX_TP_TRACEBACK") and err.__cause__ is not None:
+      traceback.print_exception(err.__cause__)
     return 1
+
+
+def one_line(err: BaseException) -> str:
+  """``Type: first line`` of an unexpected failure (the traceback: FLAX_TP_TRACEBACK=1)."""
+  lines = str(err).strip().splitlines()
+  text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+  return f"{text} (set FLAX_TP_TRACEBACK=1 for the traceback)"
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -42,6 +43,9 @@ def make_optimizer(*, lr: float, steps: int, warmup_steps: int = 0, weight_decay
 class LossOptions:
   label_smoothing: float = 0.0
   z_loss: float = 0.0
+  # Labels equal to this (HF's -100) are left out of the mean, which is taken
+  # over the kept tokens of the whole global batch.
+  ignore_index: int | None = None
 
 
 class Trainer:
@@ -89,28 +93,41 @@ class Trainer:
   # -- the step ----------------------------------------------------------------
 
   def _local_loss(self, params: nnx.State, tokens: jax.Array, key: jax.Array | None,
-                  options: LossOptions = LossOptions()):
-    """Mean loss over the *global* batch from this device's shard: summed over "data"."""
+                  labels: jax.Array | None = None, options: LossOptions = LossOptions()):
+    """Mean loss over the *global* batch from this device's shard: summed over "data".
+
+    ``labels`` ``[b, S]`` (default: ``tokens[:, 1:]``) may hold
+    ``options.ignore_index`` to leave tokens out (a prompt in fine-tuning).
+    """
     # Mark the params as per-replica once, here: backward then sums each param's
     # gradient locally (the tied embedding is used twice) and all-reduces it over
     # "data" once, instead of once per use.
     params = jax.tree.map(lambda p: flax_tp.copy_to_parallel(p, flax_tp.DATA_AXIS), params)
     model = nnx.merge(self.graphdef, params)
     logits = model(tokens[:, :-1], dropout_key=key)
+    labels = tokens[:, 1:] if labels is None else labels
     per_token = flax_tp.vocab_parallel_cross_entropy(
-        logits, tokens[:, 1:], vocab_size=self.cfg.vocab_size,
-        label_smoothing=options.label_smoothing, z_loss=options.z_loss)
-    global_count = per_token.size * jax.lax.axis_size(flax_tp.DATA_AXIS)
+        logits, labels, vocab_size=self.cfg.vocab_size,
+        label_smoothing=options.label_smoothing, z_loss=options.z_loss,
+        ignore_index=options.ignore_index)
+    if options.ignore_index is None:  # a static count: no communication
+      global_count = per_token.size * jax.lax.axis_size(flax_tp.DATA_AXIS)
+    else:
+      kept = flax_tp.kept_token_count(labels, options.ignore_index)
+      global_count = jnp.maximum(flax_tp.all_reduce(kept, "sum", flax_tp.DATA_AXIS), 1.0)
     return flax_tp.all_reduce(per_token.sum() / global_count, "sum", flax_tp.DATA_AXIS)
 
-  def _map(self, fn: Callable, out_specs: Any) -> Callable:
-    return jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs, self.batch_spec, P()),
+  def _map(self, fn: Callable, out_specs: Any, with_labels: bool = False) -> Callable:
+    labels = (self.batch_spec,) if with_labels else ()
+    return jax.shard_map(fn, mesh=self.mesh,
+                         in_specs=(self.specs, self.batch_spec, P(), *labels),
                          out_specs=out_specs)
 
-  def loss_and_grads(self, params, tokens, key=None):
+  def loss_and_grads(self, params, tokens, key=None, labels=None):
     """(loss, grads) of the mean next-token loss; grads sharded like params."""
     loss = functools.partial(self._local_loss, options=self.loss_options)
-    return self._map(jax.value_and_grad(loss), (P(), self.specs))(params, tokens, key)
+    mapped = self._map(jax.value_and_grad(loss), (P(), self.specs), labels is not None)
+    return mapped(params, tokens, key, *(() if labels is None else (labels,)))
 
   def _train_step(self, params, opt_state, tokens, key):
     loss, grads = self.loss_and_grads(params, tokens, key)
