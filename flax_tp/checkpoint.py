@@ -13,7 +13,7 @@ the logical array given by its start and shape. Every shard is written once,
 by the device that holds replica 0 of it, so a replicated array is written once
 and a sharded one once per distinct shard, without any all-gather. Restoring
 builds each of this process's device blocks from the pieces that overlap its
-logical region (read through ``numpy.memmap``, so only those bytes are read),
+logical region (positioned reads of only those bytes),
 pads it with zeros and places it: the host holds one device block at a time.
 
 Atomic: everything is written into ``DIR/.tmp-10/``, then (after every process
@@ -384,26 +384,23 @@ class _Pieces:
                               f"{type(err).__name__}: {err}") from None
       for key, start, shape, offset in entries:
         self.by_key.setdefault(key, []).append((process, tuple(start), tuple(shape), offset))
-    self._maps: dict[int, np.memmap] = {}
-
-  def _bytes(self, process: int) -> np.memmap:
-    if process not in self._maps:
-      path = self.folder / f"shards.{process}.bin"
-      try:
-        self._maps[process] = np.memmap(path, dtype=np.uint8, mode="r")
-      except (OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read checkpoint step {self.step}: {path.name}: "
-                              f"{type(err).__name__}: {err}") from None
-    return self._maps[process]
 
   def _piece(self, key: str, process: int, shape: tuple[int, ...], offset: int) -> np.ndarray:
+    """One piece, read with a positioned read: only its bytes, into memory freed after use
+    (a memory map would keep every touched page resident until the restore ends)."""
     dtype = jnp.dtype(self.table[key]["dtype"])
     size = math.prod(shape) * dtype.itemsize
-    raw = self._bytes(process)
-    if offset + size > raw.size:
+    path = self.folder / f"shards.{process}.bin"
+    try:
+      with open(path, "rb") as f:
+        raw = os.pread(f.fileno(), size, offset)
+    except OSError as err:
+      raise CheckpointError(f"cannot read checkpoint step {self.step}: {path.name}: "
+                            f"{err.strerror or err}") from None
+    if len(raw) != size:
       raise CheckpointError(f"checkpoint step {self.step} is truncated: "
                             f"shards.{process}.bin ends inside {key!r}")
-    return raw[offset:offset + size].view(dtype).reshape(shape)
+    return np.frombuffer(raw, dtype).reshape(shape)
 
   def restore(self, key: str, leaf: Any) -> Any:
     target = _value(leaf)

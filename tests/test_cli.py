@@ -60,11 +60,11 @@ def test_mesh_too_large_exits_2_with_one_line():
 @pytest.mark.parametrize("argv,message", [
     (["--mesh", "2x"], "bad mesh spec '2x'"),
     (["--mesh", "0x4"], "bad mesh spec '0x4'"),
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "0"], "--steps must be an integer in [1, 2147483647], got 0"),
     (["--steps", "ten"], "invalid int value: 'ten'"),
     (["--preset", "huge"], "invalid choice: 'huge'"),
     (["--dtype", "float16"], "invalid choice: 'float16'"),
-    (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--dropout", "1.5"], "--dropout must be a number in [0, 1), got 1.5"),
     (["--lr", "-1"], "--lr must be a positive number"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--data", "/no/such/file"], "does not exist"),
