@@ -25,20 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def _status(field: str) -> int:
-  for line in Path("/proc/self/status").read_text().splitlines():
-    if line.startswith(field + ":"):
-      return int(line.split()[1]) * 1024
-  raise RuntimeError(f"{field} not in /proc/self/status")
+from bench.hostmem import proc_status
 
 
 def _measure(fn) -> tuple[int, object]:
   """(peak RSS during ``fn`` minus RSS before it, its result)."""
   Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-  before = _status("VmRSS")
+  before = proc_status("VmRSS")
   result = fn()
-  return _status("VmHWM") - before, result
+  return proc_status("VmHWM") - before, result
 
 
 def worker(args) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _status(field: str) -> int:
+def proc_status(field: str) -> int:
   for line in Path("/proc/self/status").read_text().splitlines():
     if line.startswith(field + ":"):
       return int(line.split()[1]) * 1024
@@ -47,11 +47,11 @@ def main() -> None:
   Transformer(cfg.tiny(), mesh=mesh, rngs=nnx.Rngs(0))
   ReferenceTransformer(cfg.tiny(), rngs=nnx.Rngs(0))
   Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-  before = _status("VmRSS")
+  before = proc_status("VmRSS")
   model = (ReferenceTransformer(cfg, rngs=nnx.Rngs(0)) if args.reference
            else Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
   jax.block_until_ready(nnx.state(model))
-  peak, after = _status("VmHWM"), _status("VmRSS")
+  peak, after = proc_status("VmHWM"), proc_status("VmRSS")
   sizes = [v[...].size * v[...].dtype.itemsize
            for _, v in nnx.to_flat_state(flax_tp.unshard(model) if not args.reference
                                         else nnx.state(model, nnx.Param))]

@@ -190,9 +190,14 @@ class _Snapshot:
     _write_json(folder / f"index.{process}.json", index)
 
 
+@jax.jit
+def _device_copies(arrays: list[jax.Array]) -> list[jax.Array]:
+  return [jnp.copy(x) for x in arrays]
+
+
 def _copy_on_device(values: list[Any]) -> list[Any]:
   arrays = [i for i, v in enumerate(values) if isinstance(v, jax.Array)]
-  copies = jax.jit(lambda xs: [jnp.copy(x) for x in xs])([values[i] for i in arrays])
+  copies = _device_copies([values[i] for i in arrays])
   values = list(values)
   for i, c in zip(arrays, copies, strict=True):
     values[i] = c
@@ -259,14 +264,17 @@ class Checkpointer:
       raise CheckpointError(f"cannot read checkpoint step {step} in {str(self.directory)!r}: "
                             f"{name}: {type(err).__name__}: {err}") from None
 
-  def read_meta(self, step: int | None = None) -> dict[str, Any]:
-    """The metadata saved with ``step`` (default: the latest), without the arrays."""
-    step = self._step(step)
+  def _record(self, step: int) -> dict[str, Any]:
+    """``meta.json`` of ``step``: the caller's metadata, the array table, the process count."""
     record = self._read_json(step, "meta.json")
     if not isinstance(record, dict) or record.get("format") != FORMAT:
       raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} is not a "
                             f"{FORMAT} checkpoint")
-    return dict(record["meta"])
+    return record
+
+  def read_meta(self, step: int | None = None) -> dict[str, Any]:
+    """The metadata saved with ``step`` (default: the latest), without the arrays."""
+    return dict(self._record(self._step(step))["meta"])
 
   # -- saving ------------------------------------------------------------------
 
@@ -345,10 +353,7 @@ class Checkpointer:
     are not used). Each process reads only what its devices hold.
     """
     step = self._step(step)
-    record = self._read_json(step, "meta.json")
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-      raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} is not a "
-                            f"{FORMAT} checkpoint")
+    record = self._record(step)
     pieces = _Pieces(self.directory / str(step), record, step)
     flat = _flat(like)
     keys = [key for key, _ in flat]
@@ -359,7 +364,10 @@ class Checkpointer:
           f"checkpoint step {step} does not match the model: missing {missing[:5]}"
           f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
           f"{' ...' if len(unexpected) > 5 else ''}")
-    leaves = [pieces.restore(key, leaf) for key, leaf in flat]
+    try:
+      leaves = [pieces.restore(key, leaf) for key, leaf in flat]
+    finally:
+      pieces.close()
     out, at = {}, 0
     for name, tree in like.items():
       _, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_leaf)
@@ -384,6 +392,12 @@ class _Pieces:
                               f"{type(err).__name__}: {err}") from None
       for key, start, shape, offset in entries:
         self.by_key.setdefault(key, []).append((process, tuple(start), tuple(shape), offset))
+    self._files: dict[int, int] = {}  # process -> open file descriptor
+
+  def close(self) -> None:
+    for fd in self._files.values():
+      os.close(fd)
+    self._files.clear()
 
   def _piece(self, key: str, process: int, shape: tuple[int, ...], offset: int) -> np.ndarray:
     """One piece, read with a positioned read: only its bytes, into memory freed after use
@@ -392,8 +406,9 @@ class _Pieces:
     size = math.prod(shape) * dtype.itemsize
     path = self.folder / f"shards.{process}.bin"
     try:
-      with open(path, "rb") as f:
-        raw = os.pread(f.fileno(), size, offset)
+      if process not in self._files:
+        self._files[process] = os.open(path, os.O_RDONLY)
+      raw = os.pread(self._files[process], size, offset)
     except OSError as err:
       raise CheckpointError(f"cannot read checkpoint step {self.step}: {path.name}: "
                             f"{err.strerror or err}") from None

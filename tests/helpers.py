@@ -14,6 +14,9 @@ from jax.sharding import PartitionSpec as P
 import flax_tp
 
 F32 = dict(rtol=1e-6, atol=1e-6)
+# train/run.py flags of a quick run of the tiny preset (the tests add mesh, data, steps).
+TINY_RUN_FLAGS = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "16", "--eval-every",
+                  "0", "--sample-length", "0", "--lr", "1e-2", "--warmup-steps", "1"]
 
 
 def inside_shard_map(module, fn, mesh, *inputs, in_specs=None, out_specs=P()):

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import TINY_RUN_FLAGS
 
 from train.launch import free_port
 from train.run import main
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "16", "--eval-every", "0",
-         "--sample-length", "0", "--lr", "1e-2", "--warmup-steps", "1"]
+FLAGS = TINY_RUN_FLAGS
 
 
 @pytest.fixture(scope="module")
