@@ -235,7 +235,7 @@ class Checkpointer:
     if not self.directory.is_dir():
       return []
     return sorted(int(p.name) for p in self.directory.iterdir()
-                  if p.name.isdigit() and (p / "meta.json").is_file())
+                  if p.name.isdigit() and ((p / "meta.json").is_file() or _is_legacy(p)))
 
   def delete_all(self) -> None:
     """Deletes every checkpoint in the directory (and unfinished writes); other files stay."""
@@ -251,7 +251,7 @@ class Checkpointer:
 
   def _step(self, step: int | None) -> int:
     step = self.latest_step() if step is None else step
-    if step is None or not (self.directory / str(step) / "meta.json").is_file():
+    if step is None or step not in self.steps():
       raise CheckpointError(f"no checkpoint{'' if step is None else f' of step {step}'} "
                             f"found in {str(self.directory)!r}")
     return step
@@ -274,7 +274,10 @@ class Checkpointer:
 
   def read_meta(self, step: int | None = None) -> dict[str, Any]:
     """The metadata saved with ``step`` (default: the latest), without the arrays."""
-    return dict(self._record(self._step(step))["meta"])
+    step = self._step(step)
+    if _is_legacy(self.directory / str(step)):
+      return _legacy_read(self.directory, step, with_state=False)[1]
+    return dict(self._record(step)["meta"])
 
   # -- saving ------------------------------------------------------------------
 
@@ -353,6 +356,9 @@ class Checkpointer:
     are not used). Each process reads only what its devices hold.
     """
     step = self._step(step)
+    if _is_legacy(self.directory / str(step)):
+      state, meta = _legacy_read(self.directory, step, with_state=True)
+      return {name: _from_logical(state, name, tree, step) for name, tree in like.items()}, meta
     record = self._record(step)
     pieces = _Pieces(self.directory / str(step), record, step)
     flat = _flat(like)
@@ -462,3 +468,49 @@ class _Pieces:
       raise CheckpointError(f"checkpoint step {self.step} lacks part of {key!r} "
                             f"({needed - filled} of {needed} elements): an incomplete write?")
     return block
+
+
+# -- checkpoints of flax_tp 0.1.0 (orbax, whole logical arrays): still restored ----
+
+def _is_legacy(folder: Path) -> bool:
+  return (folder / "state").is_dir() and (folder / "_CHECKPOINT_METADATA").is_file()
+
+
+def _legacy_read(directory: Path, step: int, with_state: bool) -> tuple[dict, dict]:
+  """(``{tree name: {key: logical array}}``, metadata) of a 0.1.0 checkpoint."""
+  import orbax.checkpoint as ocp
+  manager = ocp.CheckpointManager(directory, item_names=("state", "meta"))
+  items = {"meta": ocp.args.JsonRestore()}
+  if with_state:
+    items["state"] = ocp.args.StandardRestore()
+  try:
+    restored = manager.restore(step, args=ocp.args.Composite(**items))
+  except Exception as err:  # orbax raises many types for unreadable data
+    first = (str(err).splitlines() or [""])[0]
+    raise CheckpointError(f"cannot read checkpoint step {step} in {str(directory)!r}: "
+                          f"{type(err).__name__}: {first}") from None
+  finally:
+    manager.close()
+  return (restored["state"] if with_state else {}), dict(restored["meta"])
+
+
+def _from_logical(state: dict, name: str, like: Any, step: int) -> Any:
+  """``like`` with each leaf replaced by its whole logical value, padded and sharded."""
+  from flax_tp.state import stored_like
+  if name not in state:
+    raise CheckpointError(f"checkpoint step {step} lacks {name!r}")
+  logical = state[name]
+  flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_leaf)
+  keys = [_key(path) for path, _ in flat]
+  if set(keys) != set(logical):
+    raise CheckpointError(f"checkpoint step {step} does not match the model: missing "
+                          f"{sorted(set(keys) - set(logical))[:5]}, unexpected "
+                          f"{sorted(set(logical) - set(keys))[:5]}")
+  leaves = []
+  for key, (_, leaf) in zip(keys, flat, strict=True):
+    try:
+      value = stored_like(leaf, logical[key], repr(key))
+    except ValueError as err:
+      raise CheckpointError(f"checkpoint {err} (was it saved from another config?)") from None
+    leaves.append(leaf.replace(value) if isinstance(leaf, nnx.Variable) else value)
+  return jax.tree_util.tree_unflatten(treedef, leaves)

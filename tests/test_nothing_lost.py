@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -309,3 +310,49 @@ def test_layers_and_models_pickle_onto_their_mesh(meshes):
   from flax_tp.mesh import _rebuild_mesh
   with pytest.raises(ValueError, match=r"devices \[999\].*Checkpointer"):
     _rebuild_mesh(("data", "model"), [0, 999], (1, 2), tuple(mesh.axis_types))
+
+
+def _write_legacy(directory, step, trees, meta):
+  """A checkpoint as flax_tp 0.1.0 wrote it: orbax, whole logical arrays keyed by path."""
+  import orbax.checkpoint as ocp
+
+  from flax_tp.checkpoint import _is_leaf, _key
+  from flax_tp.state import logical_value
+  state = {}
+  for name, tree in trees.items():
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    state[name] = {_key(path): logical_value(leaf) for path, leaf in flat}
+  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True),
+                                  item_names=("state", "meta"))
+  manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                             meta=ocp.args.JsonSave(meta)))
+  manager.wait_until_finished()
+  manager.close()
+
+
+def test_checkpoints_of_the_previous_version_still_resume(tmp_path, corpus, capsys):
+  """A 0.1.0 (orbax) checkpoint resumes on another mesh with the losses of a new-format one."""
+  new = tmp_path / "new"
+  base = [*FLAGS, "--data", corpus, "--steps", "4"]
+  assert main([*base, "--mesh", "1x2", "--checkpoint-dir", str(new), "--checkpoint-every",
+               "2"]) == 0
+  trainer = _trainer("1x2", 9)
+  like = {"params": trainer.params, "opt_state": trainer.init_opt_state(trainer.params)}
+  state, meta = Checkpointer(new).restore(like, step=2)
+  run = meta["run"]
+  old = tmp_path / "old"
+  _write_legacy(old, 2, state, {k: run[k] for k in ("config", "seed", "batch_size", "seq_len")}
+                | {"steps": 4, "step": 2})
+  assert Checkpointer(old).steps() == [2] and Checkpointer(old).read_meta()["step"] == 2
+  for later in Checkpointer(new).steps()[1:]:  # both folders now end at step 2
+    shutil.rmtree(new / str(later))
+  capsys.readouterr()
+  resumed = []
+  for folder in (new, old):
+    metrics = tmp_path / f"{folder.name}.jsonl"
+    assert main([*base, "--mesh", "2x4", "--resume", "--checkpoint-dir", str(folder),
+                 "--metrics-file", str(metrics)]) == 0
+    resumed.append([r["loss"] for r in map(json.loads, metrics.read_text().splitlines())
+                    if "loss" in r])
+  assert len(resumed[0]) == 2 and resumed[0] == resumed[1]
+  assert "checkpoint of flax_tp 0.1.0" in capsys.readouterr().out

@@ -202,7 +202,14 @@ def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
   if checkpointer.latest_step() is None:
     raise UsageError(f"--resume: no checkpoint in {args.checkpoint_dir!r}")
   meta = checkpointer.read_meta()
-  differences = _differences(meta.get("run", {}), identity)
+  notes = []
+  saved = meta.get("run")
+  if saved is None:  # written by flax_tp 0.1.0, which recorded less of the run
+    saved = {k: meta[k] for k in ("config", "seed", "batch_size", "seq_len") if k in meta}
+    identity = {k: identity[k] for k in saved}
+    notes.append("note: a checkpoint of flax_tp 0.1.0; only the model, seed, batch size and "
+                 "sequence length could be checked against this run")
+  differences = _differences(saved, identity)
   if differences:
     raise UsageError(
         f"--resume: the checkpoints in {args.checkpoint_dir!r} belong to another run ("
@@ -212,8 +219,7 @@ def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
     raise UsageError(f"--resume: the checkpoint in {args.checkpoint_dir!r} is at step "
                      f"{meta['step']}, already at --steps {args.steps}; raise --steps to "
                      "train further")
-  notes = []
-  if meta.get("data_fingerprint") != corpus.fingerprint:
+  if "run" in meta and meta.get("data_fingerprint") != corpus.fingerprint:
     notes.append("note: the data files changed since the checkpoint was written; batches "
                  "after it will differ from the interrupted run's")
   return int(meta["step"]), notes
