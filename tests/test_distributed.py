@@ -66,6 +66,34 @@ def test_two_processes_equal_one_and_checkpoint_moves_to_one_process(tmp_path, c
   np.testing.assert_allclose(losses(resumed), losses(single)[3:], rtol=1e-5)
 
 
+def test_ctrl_c_on_the_launcher_saves_one_step_on_every_process(tmp_path, corpus):
+  """The launcher forwards SIGINT once; both processes stop after the same step and save it."""
+  ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+  launcher = subprocess.Popen(
+      [sys.executable, str(ROOT / "train" / "launch.py"), "--processes", "2", "--",
+       "--mesh", "2x4", "--steps", "100000", *FLAGS, "--data", corpus,
+       "--metrics-file", str(metrics), "--checkpoint-dir", str(ck)],
+      env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count(
+        '"loss"') >= 3):
+      assert launcher.poll() is None, launcher.stderr.read()[-2000:]
+      time.sleep(0.2)
+    launcher.send_signal(signal.SIGINT)
+    code = launcher.wait(timeout=120)
+    err = launcher.stderr.read()
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+  assert code == 130, err[-2000:]
+  steps = sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit())
+  assert len(steps) == 1 and steps[0] == max(r["step"] for r in records(metrics))
+  assert json.loads((ck / str(steps[0]) / "meta.json").read_text())["processes"] == 2
+  for prefix in ("", "[process 1] "):
+    assert f"{prefix}SIGINT: stopped after step {steps[0]}; checkpoint of step" in err, err
+
+
 def test_killing_one_process_stops_the_other(tmp_path, corpus):
   port = free_port()
   metrics = tmp_path / "m.jsonl"
