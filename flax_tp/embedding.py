@@ -15,8 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_embed_init
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from flax_tp.collectives import all_gather, all_reduce, copy_to_parallel, shard_index
 from flax_tp.layer import ParallelModule

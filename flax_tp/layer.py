@@ -16,8 +16,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from flax_tp.collectives import axis_is_bound
 from flax_tp.state import partition_names, place_on_mesh

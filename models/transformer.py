@@ -19,8 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 import flax_tp
 from flax_tp.state import place_on_mesh
