@@ -19,8 +19,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from flax_tp.collectives import all_gather, all_reduce, copy_to_parallel, shard_index
 from flax_tp.layer import ParallelModule
 from flax_tp.mesh import MODEL_AXIS
-from flax_tp.partition import ShardLayout
-from flax_tp.state import masked, sharded_param
+from flax_tp.partition import KVHeadLayout, ShardLayout
+from flax_tp.state import masked, sharded_param, sum_over_replicas
 
 Array = jax.Array
 
@@ -46,22 +46,27 @@ class _ParallelDense(ParallelModule):
       dot_general: Any = jax.lax.dot_general,
       promote_dtype: Any = dtypes.promote_dtype,
       shard_unit: int = 1,
+      layout: ShardLayout | None = None,
       rngs: nnx.Rngs,
   ):
     self._init_mesh(mesh, axis_name)
     split = self.split_dim
-    self.layout = ShardLayout((in_features, out_features)[split], self.parallel_size,
-                              shard_unit)
+    features = (in_features, out_features)[split]
+    if layout is not None and (layout.size, layout.parts) != (features, self.parallel_size):
+      raise ValueError(f"layout {layout} does not split {features} features over "
+                       f"{self.parallel_size} devices")
+    self.layout = layout or ShardLayout(features, self.parallel_size, shard_unit)
     # Same order of key draws as nnx.Linear: kernel, then bias.
     self.kernel = sharded_param(kernel_init, rngs.params(), (in_features, out_features),
                                 param_dtype, mesh=mesh, axis_name=axis_name, dim=split,
-                                unit=shard_unit)
+                                layout=self.layout)
     if use_bias:
       # The column layer splits its bias with the outputs; the row layer adds its
       # bias once after the reduce, so every device holds all of it.
       self.bias = sharded_param(bias_init, rngs.params(), (out_features,), param_dtype,
                                 mesh=mesh, axis_name=axis_name,
-                                dim=0 if split == 1 else None, unit=shard_unit)
+                                dim=0 if split == 1 else None,
+                                layout=self.layout if split == 1 else None)
     else:
       self.bias = nnx.data(None)
     self.in_features = in_features
@@ -98,7 +103,9 @@ class ColumnParallelDense(_ParallelDense):
   ``[..., out]`` replicated when ``gather_output`` (all-gather, padding removed),
   else this device's padded shard ``[..., out_pad]`` (padding columns are zero),
   ready for a ``RowParallelDense(input_is_parallel=True)``.
-  ``shard_unit`` splits ``out`` in whole blocks (e.g. ``head_dim``).
+  ``shard_unit`` splits ``out`` in whole blocks (e.g. ``head_dim``); ``layout``
+  may instead give the split, e.g. a ``KVHeadLayout`` for grouped-query keys and
+  values, whose replicated heads get the sum of their copies' gradients.
   """
 
   split_dim = 1
@@ -122,6 +129,10 @@ class ColumnParallelDense(_ParallelDense):
     kernel = masked(kernel, self.layout, 1, self.axis_name)
     if bias is not None:
       bias = masked(bias, self.layout, 0, self.axis_name)
+    if isinstance(self.layout, KVHeadLayout) and self.layout.replicated:
+      kernel = sum_over_replicas(kernel, self.layout, 1, self.axis_name)
+      if bias is not None:
+        bias = sum_over_replicas(bias, self.layout, 0, self.axis_name)
     y, bias = self._matmul(copy_to_parallel(x, self.axis_name), kernel, bias)
     if bias is not None:
       y = y + bias

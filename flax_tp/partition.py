@@ -178,3 +178,72 @@ class ShardLayout:
           f"dimension {dim} of a {tuple(tensor.shape)} tensor has "
           f"{tensor.shape[dim]} elements, expected the logical size {self.size}"
       )
+
+
+@dataclasses.dataclass(frozen=True)
+class KVHeadLayout(ShardLayout):
+  """The key/value heads of grouped-query attention, placed beside the query heads.
+
+  ``size = num_kv_heads * unit`` (``unit = head_dim``). Query heads are split
+  whole with ``array_split`` semantics; shard ``i`` holds exactly the kv heads
+  its own query heads use (query head ``h`` uses kv head ``h // group``), a
+  contiguous range. When the model axis does not line up with the groups, a kv
+  head is *replicated* on every shard that needs it (6 query / 2 kv heads over
+  4 shards: kv heads 0, 0-1, 1, 1), and a shard without query heads holds none.
+  ``offsets``/``sizes`` give each shard's range, so padding, masks and
+  ``shard`` work as for ``ShardLayout``; ``unpad`` keeps each head's first copy.
+  """
+
+  num_heads: int = 0
+
+  def __post_init__(self):
+    super().__post_init__()
+    kv = self.size // self.unit
+    if kv < 1 or self.num_heads < 1 or self.num_heads % kv:
+      raise ValueError(f"num_heads={self.num_heads} must be a positive multiple of the "
+                       f"{kv} kv heads")
+
+  @functools.cached_property
+  def _bounds(self) -> tuple[tuple[int, int], ...]:
+    group = self.num_heads // (self.size // self.unit)
+    bounds = []
+    for first, count in _array_split_bounds(self.num_heads, self.parts):
+      lo = first // group
+      hi = (first + count - 1) // group + 1 if count else lo
+      bounds.append((lo * self.unit, (hi - lo) * self.unit))
+    return tuple(bounds)
+
+  @property
+  def replicated(self) -> bool:
+    """Whether some kv head is stored on more than one shard."""
+    ends = [o + s for o, s in self._bounds if s]
+    starts = [o for o, s in self._bounds if s]
+    return any(b < a for a, b in zip(ends, starts[1:], strict=False))
+
+  def shard(self, tensor: Array, index: int, dim: int) -> Array:
+    dim = _check_split_args(np.ndim(tensor), index, self.parts, dim)
+    self._check_dim(tensor, dim)
+    xp = jnp if isinstance(tensor, jax.Array) else np
+    offset, size = self._bounds[index]
+    part = xp.take(tensor, np.arange(offset, offset + size), axis=dim)
+    pad = [(0, 0)] * tensor.ndim
+    pad[dim] = (0, self.padded_size - size)
+    return xp.pad(part, pad)
+
+  def valid_indices(self) -> np.ndarray:
+    """``[size]``: the stored position of each logical element's first copy."""
+    first = np.full(self.size, -1)
+    for i, (offset, size) in enumerate(self._bounds):
+      positions = i * self.padded_size + np.arange(size)
+      logical = offset + np.arange(size)
+      unset = first[logical] < 0
+      first[logical[unset]] = positions[unset]
+    return first
+
+  def stored_positions(self) -> np.ndarray:
+    """``[parts, padded_size]``: the logical element each stored element copies, or
+    ``size`` for padding."""
+    table = np.full((self.parts, self.padded_size), self.size)
+    for i, (offset, size) in enumerate(self._bounds):
+      table[i, :size] = offset + np.arange(size)
+    return table

@@ -21,8 +21,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from flax_tp.collectives import shard_index
-from flax_tp.partition import ShardLayout
+from flax_tp.collectives import all_reduce, shard_index
+from flax_tp.partition import KVHeadLayout, ShardLayout
 
 Initializer = Callable[..., jax.Array]
 
@@ -51,6 +51,7 @@ def sharded_param(
     axis_name: str,
     dim: int | None,
     unit: int = 1,
+    layout: ShardLayout | None = None,
 ) -> nnx.Param:
   """Initialises a parameter exactly as Flax would, then stores it sharded.
 
@@ -63,7 +64,7 @@ def sharded_param(
   names = partition_names(len(shape), dim, axis_name, mesh.shape[axis_name])
   metadata: dict[str, Any] = {"out_sharding": names, "mesh": mesh}
   if dim is not None:
-    layout = ShardLayout(shape[dim], mesh.shape[axis_name], unit)
+    layout = layout or ShardLayout(shape[dim], mesh.shape[axis_name], unit)
     metadata.update(tp_layout=layout, tp_dim=dim % len(shape))
     full = layout.pad(full, dim)
   return nnx.Param(place(full, NamedSharding(mesh, P(*names))), **metadata)
@@ -213,3 +214,32 @@ def masked(param: jax.Array, layout: ShardLayout, dim: int, axis_name: str) -> j
   shape = [1] * param.ndim
   shape[dim] = layout.padded_size
   return jnp.where(mask.reshape(shape), param, jnp.zeros((), param.dtype))
+
+
+def sum_over_replicas(param: jax.Array, layout: KVHeadLayout, dim: int,
+                      axis_name: str) -> jax.Array:
+  """Identity forward; backward, each stored copy gets the sum of all copies' gradients.
+
+  ``param`` is this device's shard (inside ``shard_map``) of a parameter laid
+  out by a replicating ``KVHeadLayout``. Each device's gradient covers only the
+  query heads it holds; summing over the copies gives every copy the gradient of
+  the logical parameter, so the copies stay bitwise equal under any optimizer.
+  Costs one all-reduce of the logical parameter's size in the backward pass.
+  """
+  table = jnp.asarray(layout.stored_positions())  # [parts, padded_size]
+
+  @jax.custom_vjp
+  def tie(x):
+    return x
+
+  def backward(_, grad):
+    positions = table[shard_index(axis_name)]  # padding -> slot ``size``, dropped
+    moved = jnp.moveaxis(grad, dim, 0)
+    logical = jnp.zeros((layout.size + 1,) + moved.shape[1:], grad.dtype)
+    logical = all_reduce(logical.at[positions].add(moved), "sum", axis_name)
+    summed = jnp.where((positions < layout.size).reshape((-1,) + (1,) * (moved.ndim - 1)),
+                       logical[positions], jnp.zeros((), grad.dtype))
+    return (jnp.moveaxis(summed, 0, dim),)
+
+  tie.defvjp(lambda x: (x, None), backward)
+  return tie(param)

@@ -5,13 +5,19 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from flax import nnx
 
 BYTE_VOCAB = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """A decoder-only, pre-LayerNorm transformer with rotary positions.
+  """A decoder-only, pre-norm transformer with rotary positions.
+
+  One family, two styles: GPT-like (``norm="layernorm"``, ``mlp="gelu"``, biases
+  everywhere, today's default) and Llama/Qwen2-like (``norm="rmsnorm"``,
+  ``mlp="swiglu"``, ``num_kv_heads`` < ``num_heads`` for grouped-query
+  attention, biases off, or on q/k/v only for Qwen2).
 
   Shapes in the code use: b batch, s sequence, d ``d_model``, h heads,
   k ``head_dim``, f ``d_ff``, v ``vocab_size``. Neither ``num_heads``, ``d_ff``
@@ -28,8 +34,14 @@ class TransformerConfig:
   tie_embeddings: bool = True  # LM head = embedding.attend; else its own weight
   dropout: float = 0.0  # embedding, attention probabilities, both residual branches
   dtype: str = "float32"  # compute dtype; params stay float32
-  rope_base: float = 10_000.0
+  rope_base: float = 10_000.0  # HF's rope_theta
   norm_eps: float = 1e-5
+  norm: str = "layernorm"  # or "rmsnorm"
+  mlp: str = "gelu"  # or "swiglu": down(silu(gate(x)) * up(x))
+  num_kv_heads: int | None = None  # None: num_heads (multi-head attention)
+  qkv_bias: bool = True
+  attn_out_bias: bool = True
+  mlp_bias: bool = True
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_heads", "head_dim", "d_ff", "num_layers",
@@ -40,12 +52,29 @@ class TransformerConfig:
       raise ValueError(f"head_dim must be even for rotary positions, got {self.head_dim}")
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+    if self.norm not in ("layernorm", "rmsnorm"):
+      raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+    if self.mlp not in ("gelu", "swiglu"):
+      raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
+    kv = self.kv_heads
+    if kv < 1 or self.num_heads % kv:
+      raise ValueError(f"num_kv_heads must divide num_heads={self.num_heads}, got "
+                       f"{self.num_kv_heads}")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
   @property
   def compute_dtype(self):
     return jnp.dtype(self.dtype)
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+  def norm_layer(self, rngs: nnx.Rngs) -> nnx.Module:
+    """The pre-norm of a block (and the final norm): LayerNorm or RMSNorm over d_model."""
+    cls = nnx.RMSNorm if self.norm == "rmsnorm" else nnx.LayerNorm
+    return cls(self.d_model, epsilon=self.norm_eps, dtype=self.compute_dtype, rngs=rngs)
 
   @classmethod
   def tiny(cls, **overrides) -> TransformerConfig:

@@ -17,20 +17,22 @@ from models.config import TransformerConfig
 
 class Attention(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-    width = cfg.num_heads * cfg.head_dim
+    width, kv_width = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     dense = dict(dtype=cfg.compute_dtype, rngs=rngs)
-    self.q = nnx.Linear(cfg.d_model, width, **dense)
-    self.k = nnx.Linear(cfg.d_model, width, **dense)
-    self.v = nnx.Linear(cfg.d_model, width, **dense)
-    self.o = nnx.Linear(width, cfg.d_model, **dense)
+    self.q = nnx.Linear(cfg.d_model, width, use_bias=cfg.qkv_bias, **dense)
+    self.k = nnx.Linear(cfg.d_model, kv_width, use_bias=cfg.qkv_bias, **dense)
+    self.v = nnx.Linear(cfg.d_model, kv_width, use_bias=cfg.qkv_bias, **dense)
+    self.o = nnx.Linear(width, cfg.d_model, use_bias=cfg.attn_out_bias, **dense)
     self.cfg = cfg
 
   def __call__(self, x_bsd, key, layer):
     cfg = self.cfg
     b, s, _ = x_bsd.shape
-    split = lambda t: t.reshape(b, s, cfg.num_heads, cfg.head_dim)
+    split = lambda t: t.reshape(b, s, -1, cfg.head_dim)
     q, k, v = split(self.q(x_bsd)), split(self.k(x_bsd)), split(self.v(x_bsd))
     q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
+    group = cfg.num_heads // cfg.kv_heads  # query heads per kv head
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
                                rate=cfg.dropout, rows=jnp.arange(b),
                                heads=jnp.arange(cfg.num_heads))
@@ -39,20 +41,24 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-    self.up = nnx.Linear(cfg.d_model, cfg.d_ff, dtype=cfg.compute_dtype, rngs=rngs)
-    self.down = nnx.Linear(cfg.d_ff, cfg.d_model, dtype=cfg.compute_dtype, rngs=rngs)
+    dense = dict(use_bias=cfg.mlp_bias, dtype=cfg.compute_dtype, rngs=rngs)
+    if cfg.mlp == "swiglu":
+      self.gate = nnx.Linear(cfg.d_model, cfg.d_ff, **dense)
+    self.up = nnx.Linear(cfg.d_model, cfg.d_ff, **dense)
+    self.down = nnx.Linear(cfg.d_ff, cfg.d_model, **dense)
+    self.swiglu = cfg.mlp == "swiglu"
 
   def __call__(self, x_bsd):
+    if self.swiglu:
+      return self.down(jax.nn.silu(self.gate(x_bsd)) * self.up(x_bsd))
     return self.down(jax.nn.gelu(self.up(x_bsd)))
 
 
 class Block(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-    self.ln1 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
-                             rngs=rngs)
+    self.ln1 = cfg.norm_layer(rngs)
     self.attn = Attention(cfg, rngs=rngs)
-    self.ln2 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
-                             rngs=rngs)
+    self.ln2 = cfg.norm_layer(rngs)
     self.mlp = MLP(cfg, rngs=rngs)
     self.cfg = cfg
 
@@ -70,8 +76,7 @@ class ReferenceTransformer(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, rngs=rngs)
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
-                              rngs=rngs)
+    self.ln_f = cfg.norm_layer(rngs)
     if not cfg.tie_embeddings:
       self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
                              dtype=cfg.compute_dtype, rngs=rngs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -38,13 +39,34 @@ def _data_rows(local_batch: int) -> jax.Array:
 class ParallelAttention(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
     width = cfg.num_heads * cfg.head_dim
-    # shard_unit=head_dim: heads are split whole, never across two devices.
-    kw = dict(mesh=mesh, dtype=cfg.compute_dtype, shard_unit=cfg.head_dim, rngs=rngs)
-    self.q = flax_tp.ColumnParallelDense(cfg.d_model, width, gather_output=False, **kw)
-    self.k = flax_tp.ColumnParallelDense(cfg.d_model, width, gather_output=False, **kw)
-    self.v = flax_tp.ColumnParallelDense(cfg.d_model, width, gather_output=False, **kw)
-    self.o = flax_tp.RowParallelDense(width, cfg.d_model, input_is_parallel=True, **kw)
+    # Query heads are split whole (shard_unit=head_dim); each device holds the
+    # kv heads its query heads use, replicated where the axis does not line up
+    # with the groups (KVHeadLayout), so attention needs no communication.
+    kv_layout = flax_tp.KVHeadLayout(cfg.kv_heads * cfg.head_dim, mesh.shape[flax_tp.MODEL_AXIS],
+                                     cfg.head_dim, num_heads=cfg.num_heads)
+    kw = dict(mesh=mesh, dtype=cfg.compute_dtype, rngs=rngs)
+    qkv = dict(gather_output=False, use_bias=cfg.qkv_bias, **kw)
+    self.q = flax_tp.ColumnParallelDense(cfg.d_model, width, shard_unit=cfg.head_dim, **qkv)
+    self.k = flax_tp.ColumnParallelDense(cfg.d_model, kv_layout.size, layout=kv_layout, **qkv)
+    self.v = flax_tp.ColumnParallelDense(cfg.d_model, kv_layout.size, layout=kv_layout, **qkv)
+    self.o = flax_tp.RowParallelDense(width, cfg.d_model, input_is_parallel=True,
+                                      shard_unit=cfg.head_dim, use_bias=cfg.attn_out_bias, **kw)
     self.cfg = cfg
+
+  def _kv_for_query_heads(self) -> tuple[np.ndarray, np.ndarray]:
+    """``[parts, local q heads]``: the local kv head each local query head uses, and
+    whether that query head is real (not padding)."""
+    cfg, q, kv = self.cfg, self.q.layout, self.k.layout
+    group = cfg.num_heads // cfg.kv_heads
+    local = q.padded_size // cfg.head_dim
+    index = np.zeros((q.parts, local), np.int32)
+    real = np.zeros((q.parts, local), bool)
+    for i in range(q.parts):
+      first, count = q.offsets[i] // cfg.head_dim, q.sizes[i] // cfg.head_dim
+      heads = first + np.arange(count)
+      index[i, :count] = heads // group - kv.offsets[i] // cfg.head_dim
+      real[i, :count] = True
+    return index, real
 
   def __call__(self, x_bsd, key, layer, rows):
     """x: ``[b, s, d]`` replicated -> ``[b, s, d]`` replicated (after one all-reduce)."""
@@ -53,35 +75,48 @@ class ParallelAttention(nnx.Module):
     # One copy_to_parallel for q, k and v: backward sums their input gradients
     # first and all-reduces once.
     x_bsd = flax_tp.copy_to_parallel(x_bsd)
-    local_heads = self.q.layout.padded_size // cfg.head_dim
-    split = lambda t: t.reshape(b, s, local_heads, cfg.head_dim)
+    split = lambda t: t.reshape(b, s, -1, cfg.head_dim)
     q, k, v = split(self.q(x_bsd)), split(self.k(x_bsd)), split(self.v(x_bsd))
     q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
-    first_head = jnp.asarray(self.q.layout.offsets)[flax_tp.shard_index(self.q.axis_name)]
-    heads = first_head // cfg.head_dim + jnp.arange(local_heads)
-    # Padded heads have zero q, k, v, so their output is zero.
+    device = flax_tp.shard_index(self.q.axis_name)
+    if cfg.kv_heads != cfg.num_heads:  # grouped-query: each query head's kv head, locally
+      index, real = (jnp.asarray(t)[device] for t in self._kv_for_query_heads())
+      k, v = jnp.take(k, index, axis=2), jnp.take(v, index, axis=2)
+    first_head = jnp.asarray(self.q.layout.offsets)[device]
+    heads = first_head // cfg.head_dim + jnp.arange(q.shape[2])
     out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
                                rate=cfg.dropout, rows=rows, heads=heads)
+    if cfg.kv_heads != cfg.num_heads:
+      # A padded query head (zero q) would average real values: zero it, as
+      # plain attention's padded heads (zero q, k and v) are.
+      out = jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
     return self.o(out.reshape(b, s, -1))
 
 
 class ParallelMLP(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
-    kw = dict(mesh=mesh, dtype=cfg.compute_dtype, rngs=rngs)
+    kw = dict(mesh=mesh, dtype=cfg.compute_dtype, use_bias=cfg.mlp_bias, rngs=rngs)
+    # gate and up are split identically, so the gating stays on each device.
+    if cfg.mlp == "swiglu":
+      self.gate = flax_tp.ColumnParallelDense(cfg.d_model, cfg.d_ff, gather_output=False, **kw)
     self.up = flax_tp.ColumnParallelDense(cfg.d_model, cfg.d_ff, gather_output=False, **kw)
     self.down = flax_tp.RowParallelDense(cfg.d_ff, cfg.d_model, input_is_parallel=True, **kw)
+    self.swiglu = cfg.mlp == "swiglu"
 
   def __call__(self, x_bsd):
-    """``[b, s, d]`` replicated -> ``[b, s, d]`` replicated; GELU(0) = 0 keeps padding at 0."""
+    """``[b, s, d]`` replicated -> ``[b, s, d]`` replicated; GELU(0) = SiLU(0) = 0 keeps
+    padding at 0."""
+    if self.swiglu:
+      x_bsd = flax_tp.copy_to_parallel(x_bsd)  # one backward all-reduce for gate and up
+      return self.down(jax.nn.silu(self.gate(x_bsd)) * self.up(x_bsd))
     return self.down(jax.nn.gelu(self.up(x_bsd)))
 
 
 class ParallelBlock(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
-    norm = dict(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
-    self.ln1 = nnx.LayerNorm(cfg.d_model, **norm)
+    self.ln1 = cfg.norm_layer(rngs)
     self.attn = ParallelAttention(cfg, mesh=mesh, rngs=rngs)
-    self.ln2 = nnx.LayerNorm(cfg.d_model, **norm)
+    self.ln2 = cfg.norm_layer(rngs)
     self.mlp = ParallelMLP(cfg, mesh=mesh, rngs=rngs)
     self.cfg = cfg
 
@@ -113,13 +148,12 @@ class Transformer(nnx.Module):
                                                 dtype=cfg.compute_dtype, rngs=rngs)
     self.blocks = nnx.List([ParallelBlock(cfg, mesh=mesh, rngs=rngs)
                             for _ in range(cfg.num_layers)])
-    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
-                              rngs=rngs)
+    self.ln_f = cfg.norm_layer(rngs)
     if not cfg.tie_embeddings:
       self.head = flax_tp.ColumnParallelDense(cfg.d_model, cfg.vocab_size, use_bias=False,
                                               gather_output=False, mesh=mesh,
                                               dtype=cfg.compute_dtype, rngs=rngs)
-    flax_tp.replicate_on_mesh(self, mesh)  # the LayerNorms
+    flax_tp.replicate_on_mesh(self, mesh)  # the norms
     self.cfg = cfg
     self.mesh = mesh
 
