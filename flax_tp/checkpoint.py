@@ -100,24 +100,34 @@ def _logical_shape(leaf: Any) -> tuple[int, ...]:
   return tuple(shape)
 
 
-def _runs(stored: slice, layout: ShardLayout | None) -> list[tuple[int, int, int]]:
+def _runs(stored: slice, layout: ShardLayout | None,
+          first_copies: bool = False) -> list[tuple[int, int, int]]:
   """``[(stored_start, stored_stop, logical_start)]``: the logical data in a stored range.
 
   Without a layout the stored range is logical. With one, each padded shard
   ``i`` of the range contributes its first ``sizes[i]`` elements; padding none.
+  ``first_copies`` keeps only elements no earlier shard holds (a ``KVHeadLayout``
+  stores some kv heads on several shards; a checkpoint writes each once).
   """
   if layout is None:
     return [(stored.start, stored.stop, stored.start)]
   q, runs = layout.padded_size, []
   for i in range(stored.start // q, -(-stored.stop // q)):
-    lo, hi = max(stored.start, i * q), min(stored.stop, i * q + layout.sizes[i])
+    skip = 0
+    if first_copies:
+      held = max((o + s for o, s in zip(layout.offsets[:i], layout.sizes[:i], strict=True)
+                  if s), default=0)
+      skip = max(0, min(held - layout.offsets[i], layout.sizes[i]))
+    lo = max(stored.start, i * q + skip)
+    hi = min(stored.stop, i * q + layout.sizes[i])
     if hi > lo:
       runs.append((lo, hi, layout.offsets[i] + lo - i * q))
   return runs
 
 
 def _boxes(index: tuple[slice, ...], shape: tuple[int, ...], layout: ShardLayout | None,
-           dim: int | None) -> list[tuple[tuple[slice, ...], tuple[int, ...], tuple[int, ...]]]:
+           dim: int | None, first_copies: bool = False
+           ) -> list[tuple[tuple[slice, ...], tuple[int, ...], tuple[int, ...]]]:
   """The logical boxes inside one device block of a stored array.
 
   ``index`` is the block's place in the stored array. Returns
@@ -125,7 +135,8 @@ def _boxes(index: tuple[slice, ...], shape: tuple[int, ...], layout: ShardLayout
   holds only padding.
   """
   index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
-  per_dim = [_runs(s, layout if d == dim else None) for d, s in enumerate(index)]
+  per_dim = [_runs(s, layout if d == dim else None, first_copies)
+             for d, s in enumerate(index)]
   boxes = [((), (), ())]
   for d, runs in enumerate(per_dim):
     base = index[d].start
@@ -179,7 +190,7 @@ class _Snapshot:
     with open(folder / f"shards.{process}.bin", "wb") as out:
       for key, data, where, layout, dim, shape in self.shards:
         block = np.asarray(data)
-        for sl, start, box in _boxes(where, shape, layout, dim):
+        for sl, start, box in _boxes(where, shape, layout, dim, first_copies=True):
           if math.prod(box) == 0:
             continue
           index.append([key, list(start), list(box), out.tell()])

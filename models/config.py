@@ -79,23 +79,39 @@ class TransformerConfig:
   @classmethod
   def tiny(cls, **overrides) -> TransformerConfig:
     """For tests: 6 heads, d_ff 90 and vocab 259 divide neither 4 nor 8."""
-    return cls(**{**dict(vocab_size=259, d_model=24, num_heads=6, head_dim=4, d_ff=90,
-                         num_layers=2, max_seq_len=16), **overrides})
+    return cls.preset("tiny", **overrides)
 
   @classmethod
   def small(cls, **overrides) -> TransformerConfig:
     """The default: learns Python's look in a few CPU minutes."""
-    return cls(**overrides)
+    return cls.preset("small", **overrides)
 
   @classmethod
   def preset(cls, name: str, **overrides) -> TransformerConfig:
     if name not in PRESETS:
-      raise ValueError(f"unknown preset {name!r}; expected one of {PRESETS}")
-    return getattr(cls, name)(**overrides)
+      raise ValueError(f"unknown preset {name!r}; expected one of {tuple(PRESETS)}")
+    return cls(**{**PRESETS[name], **overrides})
 
   @classmethod
   def preset_names(cls) -> tuple[str, ...]:
-    return PRESETS
+    return tuple(PRESETS)
 
 
-PRESETS = ("tiny", "small")
+_LLAMA = dict(norm="rmsnorm", mlp="swiglu", qkv_bias=False, attn_out_bias=False,
+              mlp_bias=False, norm_eps=1e-5, rope_base=10_000.0)
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=259, d_model=24, num_heads=6, head_dim=4, d_ff=90, num_layers=2,
+                 max_seq_len=16),
+    "small": {},
+    # Llama-style. For tests: 6 query / 2 kv heads, d_ff 90, vocab 259 divide
+    # neither 4 nor 8, so kv heads are replicated and every split is padded.
+    "llama-tiny": dict(vocab_size=259, d_model=24, num_heads=6, num_kv_heads=2, head_dim=4,
+                       d_ff=90, num_layers=2, max_seq_len=16, **_LLAMA),
+    # Benchmark sizes (untied head, 32000-token vocabulary): ~125M and ~336M params.
+    "llama-125m": dict(vocab_size=32000, d_model=768, num_heads=12, num_kv_heads=4,
+                       head_dim=64, d_ff=2048, num_layers=12, max_seq_len=1024,
+                       tie_embeddings=False, **_LLAMA),
+    "llama-350m": dict(vocab_size=32000, d_model=1024, num_heads=16, num_kv_heads=4,
+                       head_dim=64, d_ff=2816, num_layers=24, max_seq_len=1024,
+                       tie_embeddings=False, **_LLAMA),
+}

@@ -209,6 +209,9 @@ def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
     identity = {k: identity[k] for k in saved}
     notes.append("note: a checkpoint of flax_tp 0.1.0; only the model, seed, batch size and "
                  "sequence length could be checked against this run")
+  if isinstance(saved.get("config"), dict):  # fields added since: their defaults
+    defaults = dataclasses.asdict(TransformerConfig())
+    saved = {**saved, "config": {k: saved["config"].get(k, defaults[k]) for k in defaults}}
   differences = _differences(saved, identity)
   if differences:
     raise UsageError(

@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--mesh", default=d["mesh"],
                  help="DxM: D-way data parallel by M-way tensor (model) parallel")
   p.add_argument("--preset", default=d["preset"], choices=TransformerConfig.preset_names(),
-                 help="model size: 'tiny' for tests, 'small' trains usefully on a CPU")
+                 help="model: 'tiny' for tests, 'small' trains usefully on a CPU; 'llama-tiny' "
+                      "(grouped-query attention, RMSNorm, SwiGLU) for tests, 'llama-125m' and "
+                      "'llama-350m' Llama-style sizes for benchmarks")
   p.add_argument("--steps", type=int, default=d["steps"], help="total optimizer steps")
   p.add_argument("--batch-size", type=int, default=d["batch_size"],
                  help="global batch (sequences per step), split over the data axis")
