@@ -1,0 +1,203 @@
+"""HuggingFace Llama / Qwen2 checkpoints in and out of ``models.transformer.Transformer``.
+
+    model = load_hf("path/to/dir", flax_tp.make_mesh("2x4"))   # config.json + safetensors
+    save_hf(model, "out/dir")     # transformers.AutoModelForCausalLM.from_pretrained("out/dir")
+    to_hf_state_dict(nnx.state(model, nnx.Param))   # {HF name: [out, in] numpy array}
+
+Layouts: HF stores a linear layer's weight as ``[out, in]``, flax as ``kernel
+[in, out]``. HF's Llama/Qwen2 rotary already uses the rotate-half convention
+(the first and second halves of a head are the pairs), which is what
+``models.ops.rotary`` computes, so q/k need no permutation. Loading reads one
+tensor at a time (safetensors) and places it straight into its shards.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+import flax_tp
+from flax_tp.state import stored_like
+from models.config import TransformerConfig
+from models.transformer import Transformer
+
+SUPPORTED = ("llama", "qwen2")
+
+
+class HFConfigError(ValueError):
+  """A config.json flax_tp cannot honour exactly (never silently a different model)."""
+
+
+def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
+  """The ``TransformerConfig`` of an HF ``config.json``; ``HFConfigError`` naming the field
+  it cannot honour."""
+  kind = hf.get("model_type")
+  if kind not in SUPPORTED:
+    raise HFConfigError(f"model_type {kind!r} is not supported (expected one of {SUPPORTED})")
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise HFConfigError(f"hidden_act {act!r} is not supported (expected 'silu')")
+  rope = hf.get("rope_parameters") or {}  # transformers 5 keeps the rope settings here
+  scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                       else None)
+  if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+    raise HFConfigError(f"rope_scaling {scaling!r} is not implemented (only plain rotary)")
+  if hf.get("use_sliding_window") or (kind != "qwen2" and hf.get("sliding_window")):
+    raise HFConfigError(f"sliding_window {hf.get('sliding_window')!r} is not implemented")
+  layer_types = set(hf.get("layer_types") or ["full_attention"])
+  if layer_types != {"full_attention"}:
+    raise HFConfigError(f"layer_types {sorted(layer_types)} is not implemented (only "
+                        "'full_attention')")
+  heads = int(hf["num_attention_heads"])
+  d_model = int(hf["hidden_size"])
+  head_dim = int(hf.get("head_dim") or d_model // heads)
+  if kind == "qwen2":
+    biases = dict(qkv_bias=True, attn_out_bias=False, mlp_bias=False)
+  else:
+    attention_bias = bool(hf.get("attention_bias", False))
+    biases = dict(qkv_bias=attention_bias, attn_out_bias=attention_bias,
+                  mlp_bias=bool(hf.get("mlp_bias", False)))
+  return TransformerConfig(
+      vocab_size=int(hf["vocab_size"]), d_model=d_model, num_heads=heads,
+      num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
+      d_ff=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
+      max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm="rmsnorm", mlp="swiglu", **biases)
+
+
+def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
+  """The HF ``config.json`` of a Llama/Qwen2-style config (``HFConfigError`` otherwise)."""
+  if cfg.norm != "rmsnorm" or cfg.mlp != "swiglu":
+    raise HFConfigError(f"norm={cfg.norm!r}, mlp={cfg.mlp!r} has no Llama/Qwen2 equivalent "
+                        "(needs norm='rmsnorm', mlp='swiglu')")
+  qwen2 = cfg.qkv_bias and not cfg.attn_out_bias and not cfg.mlp_bias
+  if not qwen2 and cfg.qkv_bias != cfg.attn_out_bias:
+    raise HFConfigError(f"qkv_bias={cfg.qkv_bias}, attn_out_bias={cfg.attn_out_bias}: Llama "
+                        "has both or neither, Qwen2 q/k/v biases only")
+  out = dict(
+      model_type="qwen2" if qwen2 else "llama",
+      architectures=["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+      vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+      num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
+      max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+      rope_theta=cfg.rope_base, tie_word_embeddings=cfg.tie_embeddings,
+      torch_dtype="float32")
+  if not qwen2:
+    out.update(attention_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias)
+  else:
+    out.update(use_sliding_window=False)
+  return out
+
+
+def _names(cfg: TransformerConfig) -> Iterator[tuple[tuple, str, bool]]:
+  """``(flax_tp param path, HF name, transposed)`` of every parameter."""
+  yield ("embed", "embedding"), "model.embed_tokens.weight", False
+  proj = [("attn", "q", "self_attn.q_proj", cfg.qkv_bias),
+          ("attn", "k", "self_attn.k_proj", cfg.qkv_bias),
+          ("attn", "v", "self_attn.v_proj", cfg.qkv_bias),
+          ("attn", "o", "self_attn.o_proj", cfg.attn_out_bias),
+          ("mlp", "gate", "mlp.gate_proj", cfg.mlp_bias),
+          ("mlp", "up", "mlp.up_proj", cfg.mlp_bias),
+          ("mlp", "down", "mlp.down_proj", cfg.mlp_bias)]
+  for i in range(cfg.num_layers):
+    for group, name, hf, bias in proj:
+      yield ("blocks", i, group, name, "kernel"), f"model.layers.{i}.{hf}.weight", True
+      if bias:
+        yield ("blocks", i, group, name, "bias"), f"model.layers.{i}.{hf}.bias", False
+    yield ("blocks", i, "ln1", "scale"), f"model.layers.{i}.input_layernorm.weight", False
+    yield (("blocks", i, "ln2", "scale"), f"model.layers.{i}.post_attention_layernorm.weight",
+           False)
+  yield ("ln_f", "scale"), "model.norm.weight", False
+  if not cfg.tie_embeddings:
+    yield ("head", "kernel"), "lm_head.weight", True
+
+
+def _at(state: nnx.State, path: tuple) -> Any:
+  node = state
+  for part in path:
+    node = node[part]
+  return node
+
+
+def to_hf_state_dict(state: nnx.State, cfg: TransformerConfig) -> dict[str, np.ndarray]:
+  """HF names and logical ``[out, in]`` arrays of a params (or gradients) state of a
+  ``Transformer`` with config ``cfg``."""
+  logical = flax_tp.unshard(state)
+  out = {}
+  for path, name, transposed in _names(cfg):
+    value = np.asarray(_at(logical, path)[...])
+    out[name] = np.ascontiguousarray(value.T if transposed else value)
+  return out
+
+
+class _Tensors:
+  """Reads the tensors of a safetensors checkpoint, single-file or sharded, one at a time."""
+
+  def __init__(self, directory: Path):
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+      weight_map = json.loads(index.read_text())["weight_map"]
+      self.files = {name: directory / file for name, file in weight_map.items()}
+    elif (directory / "model.safetensors").is_file():
+      from safetensors import safe_open
+      with safe_open(directory / "model.safetensors", framework="flax") as f:
+        self.files = {name: directory / "model.safetensors" for name in f.keys()}
+    else:
+      raise FileNotFoundError(f"{str(directory)!r} has neither model.safetensors nor "
+                              "model.safetensors.index.json")
+
+  def get(self, name: str) -> np.ndarray:
+    from safetensors import safe_open
+    if name not in self.files:
+      raise HFConfigError(f"the checkpoint lacks tensor {name!r}")
+    with safe_open(self.files[name], framework="flax") as f:  # bfloat16 too
+      return np.asarray(f.get_tensor(name), np.float32)
+
+
+def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0) -> Transformer:
+  """The ``Transformer`` of a local HF Llama/Qwen2 directory, on ``mesh``.
+
+  Each tensor is read on its own, converted to the flax layout and placed into
+  its shards, so the host holds one checkpoint tensor at a time. (The model is
+  first built with random params, as ``Transformer`` does, then overwritten.)
+  """
+  directory = Path(path)
+  config_path = directory / "config.json"
+  if not config_path.is_file():
+    raise FileNotFoundError(f"{str(directory)!r} has no config.json")
+  cfg = config_from_hf(json.loads(config_path.read_text()))
+  tensors = _Tensors(directory)
+  model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed))
+  params = nnx.state(model, nnx.Param)
+  used = set()
+  for flax_path, name, transposed in _names(cfg):
+    value = tensors.get(name)
+    var = _at(params, flax_path)
+    var[...] = stored_like(var, value.T if transposed else value, name)
+    used.add(name)
+  unused = sorted(set(tensors.files) - used - {"lm_head.weight"})
+  if unused:  # a tensor this architecture does not have: not the model it claims
+    raise HFConfigError(f"the checkpoint has tensors the config does not explain: "
+                        f"{unused[:5]}{' ...' if len(unused) > 5 else ''}")
+  return model
+
+
+def save_hf(model: Transformer, path: str | Path) -> None:
+  """Writes ``config.json`` and ``model.safetensors`` (float32) that transformers loads."""
+  from safetensors.numpy import save_file
+  cfg = model.cfg
+  hf_config = config_to_hf(cfg)  # refuses a model HF cannot represent, before writing
+  directory = Path(path)
+  directory.mkdir(parents=True, exist_ok=True)
+  tensors = to_hf_state_dict(nnx.state(model, nnx.Param), cfg)
+  save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+  (directory / "config.json").write_text(json.dumps(hf_config, indent=2))

@@ -1,0 +1,128 @@
+"""HuggingFace Llama / Qwen2 checkpoints against transformers itself.
+
+The default run compares with fixtures that transformers wrote and computed
+(tests/fixtures/hf/make_fixtures.py); with the ``hf`` extra installed, live
+tests compare with transformers on random configs too.
+"""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_tp
+from models.hf import HFConfigError, config_from_hf, load_hf, save_hf, to_hf_state_dict
+from train.step import Trainer, make_optimizer
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+
+
+def loss_and_hf_grads(model, ids):
+  """Mean next-token loss of ``ids [b, s]`` and its gradients, by HF name (labels=ids)."""
+  trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
+  tokens = jax.device_put(jnp.asarray(ids, jnp.int32), trainer.batch_sharding)
+  loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
+  return float(loss), to_hf_state_dict(grads, model.cfg)
+
+
+@pytest.mark.parametrize("name,mesh_spec", [
+    ("llama", "1x1"), ("llama", "2x4"), ("llama", "1x8"), ("llama", "1x3"),
+    ("qwen2", "2x4"), ("qwen2", "1x3")])
+def test_fixture_logits_loss_and_grads(meshes, name, mesh_spec):
+  """Stored transformers results; 2 kv heads over 4, 8 and 3 devices are replicated."""
+  expected = np.load(FIXTURES / name / "expected.npz")
+  model = load_hf(FIXTURES / name, meshes[mesh_spec])
+  ids = expected["ids"]
+  logits = jax.jit(lambda t: model(t))(jnp.asarray(ids, jnp.int32))
+  np.testing.assert_allclose(logits, expected["logits"], rtol=1e-5, atol=1e-5)
+  loss, grads = loss_and_hf_grads(model, ids)
+  np.testing.assert_allclose(loss, expected["loss"], rtol=1e-6)
+  hf_grads = {k[len("grad:"):]: expected[k] for k in expected.files if k.startswith("grad:")}
+  assert set(hf_grads) <= set(grads) and set(grads) - set(hf_grads) <= {"lm_head.weight"}
+  for key, value in hf_grads.items():
+    np.testing.assert_allclose(grads[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_save_hf_round_trip(tmp_path, meshes, name):
+  """save_hf writes what load_hf (and transformers, below) reads back: same tensors."""
+  from safetensors.numpy import load_file
+  model = load_hf(FIXTURES / name, meshes["2x4"])
+  save_hf(model, tmp_path)
+  original = {k: v for k, v in load_file(FIXTURES / name / "model.safetensors").items()}
+  written = load_file(tmp_path / "model.safetensors")
+  assert set(written) == set(original)
+  for key, value in original.items():
+    np.testing.assert_array_equal(written[key], value)
+  assert config_from_hf(json.loads((tmp_path / "config.json").read_text())) == model.cfg
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+     "rope_scaling"),
+    ({"use_sliding_window": True, "sliding_window": 8}, "sliding_window"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_configs_it_cannot_honour_are_named(change, field):
+  config = json.loads((FIXTURES / "qwen2" / "config.json").read_text())
+  with pytest.raises(HFConfigError, match=field):
+    config_from_hf({**config, **change})
+
+
+# -- live, against transformers (pip install -e ".[hf]") ------------------------------
+
+LIVE = dict(vocab_size=61, hidden_size=16, intermediate_size=22, num_hidden_layers=2,
+            num_attention_heads=4, head_dim=4, max_position_embeddings=16)
+
+
+@pytest.mark.parametrize("kind,extra,mesh_spec", [
+    ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True), "1x8"),  # MQA
+    ("llama", dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True), "2x4"),
+    ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=False), "1x3"),
+])
+def test_live_against_transformers(tmp_path, meshes, kind, extra, mesh_spec):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  torch.manual_seed(0)
+  config_cls, model_cls = ((transformers.LlamaConfig, transformers.LlamaForCausalLM)
+                           if kind == "llama" else
+                           (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
+  hf_model = model_cls(config_cls(**LIVE, **extra)).eval()
+  with torch.no_grad():
+    for n, p in hf_model.named_parameters():
+      if n.endswith("bias"):
+        p.normal_(0.0, 0.5)
+  hf_model.save_pretrained(tmp_path / "in")
+  ids = torch.randint(0, LIVE["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(3))
+  out = hf_model(ids, labels=ids)
+  out.loss.backward()
+
+  model = load_hf(tmp_path / "in", meshes[mesh_spec])
+  logits = jax.jit(lambda t: model(t))(jnp.asarray(ids.numpy(), jnp.int32))
+  np.testing.assert_allclose(logits, out.logits.detach().numpy(), rtol=1e-5, atol=1e-5)
+  loss, grads = loss_and_hf_grads(model, ids.numpy())
+  np.testing.assert_allclose(loss, out.loss.item(), rtol=1e-6)
+  for n, p in hf_model.named_parameters():
+    np.testing.assert_allclose(grads[n], p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=n)
+
+  save_hf(model, tmp_path / "out")
+  again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  with torch.no_grad():
+    np.testing.assert_array_equal(again(ids).logits.numpy(), hf_model(ids).logits.numpy())
+
+
+def test_unsupported_layout_is_refused_on_export(meshes):
+  from models.config import TransformerConfig
+  from models.transformer import Transformer
+  model = Transformer(TransformerConfig.tiny(num_layers=1), mesh=meshes["1x2"],
+                      rngs=nnx.Rngs(0))
+  with pytest.raises(HFConfigError, match="norm='layernorm'"):
+    save_hf(model, "/nonexistent/never-written")
+  assert flax_tp.make_mesh("1x1")  # the library stays usable after the error
