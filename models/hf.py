@@ -13,6 +13,7 @@ tensor at a time (safetensors) and places it straight into its shards.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,18 +164,26 @@ class _Tensors:
       return np.asarray(f.get_tensor(name), np.float32)
 
 
-def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0) -> Transformer:
+def read_config(path: str | Path, **overrides) -> TransformerConfig:
+  """The ``TransformerConfig`` of the HF directory ``path`` (its config.json), with
+  ``overrides`` (e.g. ``dropout``, ``dtype``, ``max_seq_len``) replaced."""
+  config_path = Path(path) / "config.json"
+  if not config_path.is_file():
+    raise FileNotFoundError(f"{str(path)!r} has no config.json")
+  return dataclasses.replace(config_from_hf(json.loads(config_path.read_text())), **overrides)
+
+
+def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0, **overrides) -> Transformer:
   """The ``Transformer`` of a local HF Llama/Qwen2 directory, on ``mesh``.
 
   Each tensor is read on its own, converted to the flax layout and placed into
   its shards, so the host holds one checkpoint tensor at a time. (The model is
   first built with random params, as ``Transformer`` does, then overwritten.)
+  ``overrides`` replace config fields HF does not fix (``dropout``, ``dtype``,
+  ``max_seq_len``).
   """
   directory = Path(path)
-  config_path = directory / "config.json"
-  if not config_path.is_file():
-    raise FileNotFoundError(f"{str(directory)!r} has no config.json")
-  cfg = config_from_hf(json.loads(config_path.read_text()))
+  cfg = read_config(directory, **overrides)
   tensors = _Tensors(directory)
   model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed))
   params = nnx.state(model, nnx.Param)

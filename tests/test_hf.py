@@ -6,6 +6,7 @@ tests compare with transformers on random configs too.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -126,3 +127,76 @@ def test_unsupported_layout_is_refused_on_export(meshes):
   with pytest.raises(HFConfigError, match="norm='layernorm'"):
     save_hf(model, "/nonexistent/never-written")
   assert flax_tp.make_mesh("1x1")  # the library stays usable after the error
+
+
+# -- train/run.py --init-from ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+  """A tiny Llama-style HF folder with its own BPE tokenizer, trained here on real Python."""
+  from helpers import write_small_corpus
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  from models.config import TransformerConfig
+  from models.transformer import Transformer
+  root = tmp_path_factory.mktemp("hf")
+  corpus = write_small_corpus(root / "corpus.py")
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.train([corpus], trainers.BpeTrainer(
+      vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  cfg = TransformerConfig.preset("llama-tiny", vocab_size=tokenizer.get_vocab_size() + 5)
+  model = Transformer(cfg, mesh=flax_tp.make_mesh("1x1"), rngs=nnx.Rngs(3))
+  save_hf(model, root / "model")
+  tokenizer.save(str(root / "model" / "tokenizer.json"))
+  return root / "model", corpus
+
+
+def test_init_from_fine_tunes_then_resumes_on_another_mesh(tmp_path, hf_folder, capsys):
+  from train.run import main
+  folder, corpus = hf_folder
+  ck = tmp_path / "ck"
+  flags = ["--init-from", str(folder), "--batch-size", "8", "--seq-len", "16", "--steps", "8",
+           "--lr", "1e-2", "--warmup-steps", "1", "--eval-every", "0", "--sample-length", "5",
+           "--data", corpus]
+  metrics = tmp_path / "m.jsonl"
+  assert main([*flags, "--mesh", "2x4", "--checkpoint-dir", str(ck), "--checkpoint-every",
+               "4", "--metrics-file", str(metrics)]) == 0
+  out = capsys.readouterr().out
+  assert f"model: from {folder}" in out and "tokens (hf-" in out
+  losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+  assert len(losses) == 8 and losses[-1] < losses[0] - 0.5  # it learns
+  moved = tmp_path / "moved"
+  moved.mkdir()
+  shutil.copytree(ck / "4", moved / "4")
+  resumed = tmp_path / "r.jsonl"
+  assert main([*flags, "--mesh", "1x8", "--resume", "--checkpoint-dir", str(moved),
+               "--metrics-file", str(resumed)]) == 0
+  again = [r["loss"] for r in map(json.loads, resumed.read_text().splitlines()) if "loss" in r]
+  # The restore is exact (the first resumed loss); after it, Adam at lr 1e-2 amplifies
+  # the other mesh's summation order (kv-gradient sums over 8 instead of 4 devices).
+  np.testing.assert_allclose(again[0], losses[4], rtol=1e-6)
+  np.testing.assert_allclose(again, losses[4:], rtol=1e-3)
+
+
+def test_init_from_bad_folders_exit_2(tmp_path, hf_folder, capsys):
+  from train.run import main
+  folder, corpus = hf_folder
+  base = ["--batch-size", "8", "--seq-len", "16", "--steps", "1", "--data", corpus]
+  no_tokenizer = tmp_path / "no_tok"
+  shutil.copytree(folder, no_tokenizer)
+  (no_tokenizer / "tokenizer.json").unlink()
+  big_vocab = tmp_path / "big"
+  shutil.copytree(folder, big_vocab)
+  config = json.loads((big_vocab / "config.json").read_text())
+  (big_vocab / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+  for argv, message in [
+      (["--init-from", str(no_tokenizer)], "has no tokenizer.json"),
+      (["--init-from", str(big_vocab)], "more than the model's vocab_size 100"),
+      (["--init-from", str(folder), "--preset", "tiny"], "--preset and --init-from"),
+      (["--init-from", str(tmp_path)], "not a HuggingFace model folder"),
+  ]:
+    assert main([*base, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err

@@ -25,7 +25,7 @@ import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError
 from models.config import TransformerConfig
 from models.transformer import Transformer
-from train.data import ByteCorpus
+from train.data import TokenCorpus
 from train.run import main
 from train.step import LossOptions, Trainer, make_optimizer
 
@@ -269,7 +269,7 @@ def test_data_is_streamed_sniffed_uncapped_and_cached(tmp_path):
     f.truncate(2 * 2**30)
   cache = tmp_path / "cache"
   tracemalloc.start()
-  corpus = ByteCorpus.load(str(folder), seq_len=16, cache=cache)
+  corpus = TokenCorpus.load(str(folder), seq_len=16, cache=cache)
   _, peak = tracemalloc.get_traced_memory()
   tracemalloc.stop()
   assert peak < 64 * 2**20  # neither file was read whole
@@ -277,17 +277,17 @@ def test_data_is_streamed_sniffed_uncapped_and_cached(tmp_path):
   assert isinstance(corpus.tokens, np.memmap)
   assert "1 binary file(s)" in corpus.describe() and f"{len(big):,} tokens" in corpus.describe()
   built = {p: p.stat().st_mtime_ns for p in cache.iterdir()}
-  again = ByteCorpus.load(str(folder), seq_len=16, cache=cache)  # from the cache
+  again = TokenCorpus.load(str(folder), seq_len=16, cache=cache)  # from the cache
   assert {p: p.stat().st_mtime_ns for p in cache.iterdir()} == built
   assert again.fingerprint == corpus.fingerprint
   (folder / "more.py").write_text("x = 1\n" * 100)  # a new source: a new token file
-  assert ByteCorpus.load(str(folder), seq_len=16, cache=cache).fingerprint != corpus.fingerprint
+  assert TokenCorpus.load(str(folder), seq_len=16, cache=cache).fingerprint != corpus.fingerprint
 
 
 def test_a_binary_file_alone_is_named_as_such(tmp_path):
   (tmp_path / "blob.bin").write_bytes(b"\0\1\2" * 1000)
   with pytest.raises(ValueError, match=r"has no text: 1 binary file\(s\)"):
-    ByteCorpus.load(str(tmp_path / "blob.bin"), seq_len=16, cache=tmp_path / "cache")
+    TokenCorpus.load(str(tmp_path / "blob.bin"), seq_len=16, cache=tmp_path / "cache")
 
 
 # -- pickling --------------------------------------------------------------------

@@ -153,12 +153,12 @@ def test_bad_checkpoints_exit_2(tmp_path, corpus, capsys):
 
 
 def test_data_folder_and_split(tmp_path):
-  from train.data import ByteCorpus
+  from train.data import TokenCorpus
   (tmp_path / "a.py").write_text("x = 1\n" * 300)
   (tmp_path / "sub").mkdir()
   (tmp_path / "sub" / "b.txt").write_text("y = 2\n" * 300)
   (tmp_path / "blob.bin").write_bytes(b"\0" * 1000)  # not text: skipped
-  corpus = ByteCorpus.load(str(tmp_path), seq_len=16)
+  corpus = TokenCorpus.load(str(tmp_path), seq_len=16)
   assert len(corpus.train) + len(corpus.eval) == 2 * 1800 + 2
   assert b"y = 2" in corpus.eval.tobytes() and b"\0" not in corpus.train.tobytes()
   first = corpus.batch("train", seed=3, step=7, batch_size=4, seq_len=16)

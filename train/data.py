@@ -1,7 +1,8 @@
-"""Byte-level text data: the default corpus is the Python standard library's source.
+"""Text data as tokens: the default corpus is the Python standard library's source.
 
 Every machine with Python has it (found through ``sysconfig``), so training
-needs no download. Tokens are bytes (vocabulary 256).
+needs no download. Tokens are bytes (vocabulary 256) for the built-in presets,
+or the ids of a HuggingFace ``tokenizer.json`` (``HFTokenizer``).
 
 A corpus of any size is tokenized once into a token file that is memory-mapped,
 never held whole in memory: files are streamed in chunks, and a file whose
@@ -31,8 +32,42 @@ EVAL_FRACTION = 0.05
 SNIFF_BYTES = 4096
 CHUNK_BYTES = 1 << 20
 SEPARATOR = b"\n\n"  # between files
-TOKENIZER = "bytes"  # part of the cache key
 STDLIB = "the Python standard library"
+
+
+class ByteTokenizer:
+  """Bytes are tokens: vocabulary 256, nothing to load."""
+
+  name = "bytes"  # part of the token cache's key
+  vocab_size = 256
+  dtype = np.dtype(np.uint8)
+
+  def encode(self, data: bytes) -> np.ndarray:
+    return np.frombuffer(data, np.uint8)
+
+  def decode(self, ids) -> str:
+    # Ids past the byte range (a vocabulary padded for tests) print as '?'.
+    return bytes(int(t) if t < 256 else ord("?") for t in ids).decode("utf-8", "replace")
+
+
+class HFTokenizer:
+  """A HuggingFace ``tokenizer.json`` through the ``tokenizers`` package."""
+
+  def __init__(self, path: Path):
+    from tokenizers import Tokenizer
+    self.path = Path(path)
+    raw = self.path.read_bytes()
+    self._tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+    self.name = "hf-" + hashlib.sha256(raw).hexdigest()[:24]
+    self.vocab_size = self._tokenizer.get_vocab_size()
+    self.dtype = np.dtype(np.uint16 if self.vocab_size <= 2**16 else np.uint32)
+
+  def encode(self, data: bytes) -> np.ndarray:
+    ids = self._tokenizer.encode(data.decode("utf-8", "replace"), add_special_tokens=False).ids
+    return np.asarray(ids, self.dtype)
+
+  def decode(self, ids) -> str:
+    return self._tokenizer.decode([int(t) for t in ids])
 
 
 def stdlib_sources() -> list[Path]:
@@ -55,9 +90,9 @@ def cache_dir() -> Path:
   return Path(os.environ.get("FLAX_TP_CACHE") or Path.home() / ".cache" / "flax_tp")
 
 
-def fingerprint(files: list[Path]) -> str:
+def fingerprint(files: list[Path], tokenizer) -> str:
   """Identifies the sources and the tokenizer: what the cached token file was built from."""
-  h = hashlib.sha256(TOKENIZER.encode())
+  h = hashlib.sha256(tokenizer.name.encode())
   for file in files:
     try:
       st = file.stat()
@@ -67,48 +102,60 @@ def fingerprint(files: list[Path]) -> str:
   return h.hexdigest()
 
 
-def tokenize_to_file(files: list[Path], out, progress=None) -> dict[str, Any]:
-  """Streams the text files' bytes into ``out``, separated by blank lines.
+def tokenize_to_file(files: list[Path], out, tokenizer, progress=None) -> dict[str, Any]:
+  """Streams the text files' tokens into ``out``, files separated by blank lines.
 
-  Returns what was read: file and token counts, the files skipped as binary or
-  unreadable, and the byte counts (for the unigram entropy without a second pass).
+  Files are read in chunks; a chunk is cut after its last newline (the rest
+  goes with the next), so a token never straddles two chunks. Returns what was
+  read: file and token counts, the files skipped as binary or unreadable, and
+  each token's count (for the unigram entropy without a second pass).
   """
-  counts = np.zeros(256, np.int64)
+  counts = np.zeros(tokenizer.vocab_size, np.int64)
   report = {"files": 0, "tokens": 0, "binary": [], "unreadable": []}
+
+  def emit(data: bytes) -> None:
+    ids = tokenizer.encode(data)
+    out.write(ids.tobytes())
+    counts[:] += np.bincount(ids, minlength=len(counts))[:len(counts)]
+    report["tokens"] += len(ids)
+
   for file in files:
     try:
       with open(file, "rb") as f:
         chunk = f.read(max(CHUNK_BYTES, SNIFF_BYTES))
         if b"\0" in chunk[:SNIFF_BYTES]:
           report["binary"].append(str(file))
-        else:
-          if report["files"] and chunk:
-            out.write(SEPARATOR)
-            counts[ord("\n")] += len(SEPARATOR)
-            report["tokens"] += len(SEPARATOR)
-          report["files"] += bool(chunk)
+        elif chunk:
+          if report["files"]:
+            emit(SEPARATOR)
+          report["files"] += 1
+          carry = b""
           while chunk:
-            out.write(chunk)
-            counts += np.bincount(np.frombuffer(chunk, np.uint8), minlength=256)
-            report["tokens"] += len(chunk)
+            data = carry + chunk
+            cut = data.rfind(b"\n") + 1 or len(data)
+            emit(data[:cut])
+            carry = data[cut:]
             chunk = f.read(CHUNK_BYTES)
+          if carry:
+            emit(carry)
     except OSError:
       report["unreadable"].append(str(file))
     if progress is not None:
       progress(file)
-  report["byte_counts"] = counts.tolist()
+  report["token_counts"] = counts.tolist()
   return report
 
 
 @dataclasses.dataclass(frozen=True)
-class ByteCorpus:
+class TokenCorpus:
   """A memory-mapped token stream: a training part and a held-out tail for eval."""
 
-  tokens: np.ndarray  # [n] uint8, memory-mapped
+  tokens: np.ndarray  # [n] token ids (uint8 bytes, or the tokenizer's dtype), memory-mapped
   n_eval: int
   source: str
   report: dict[str, Any]
   fingerprint: str
+  tokenizer: Any
 
   @property
   def train(self) -> np.ndarray:
@@ -119,34 +166,37 @@ class ByteCorpus:
     return self.tokens[-self.n_eval:]
 
   @classmethod
-  def load(cls, data: str | None = None, *, seq_len: int, show_progress: bool = False,
-           cache: Path | None = None) -> ByteCorpus:
+  def load(cls, data: str | None = None, *, seq_len: int, tokenizer=None,
+           show_progress: bool = False, cache: Path | None = None) -> TokenCorpus:
+    tokenizer = tokenizer or ByteTokenizer()
     files = stdlib_sources() if data is None else text_files(Path(data))
     source = STDLIB if data is None else str(data)
-    key = fingerprint(files)
-    tokens_path, report = _cached_tokens(files, key, cache or cache_dir(), show_progress)
+    key = fingerprint(files, tokenizer)
+    tokens_path, report = _cached_tokens(files, key, tokenizer, cache or cache_dir(),
+                                         show_progress)
     n = report["tokens"]
     if n == 0:
       raise ValueError(f"--data {source!r} has no text: {_skipped(report) or 'no bytes'}")
-    tokens = np.memmap(tokens_path, dtype=np.uint8, mode="r", shape=(n,))
+    tokens = np.memmap(tokens_path, dtype=tokenizer.dtype, mode="r", shape=(n,))
     n_eval = max(int(n * EVAL_FRACTION), seq_len + 2)
     if n - n_eval < seq_len + 2:
       raise ValueError(
-          f"--data {source!r} has {n} bytes of text: too little for --seq-len {seq_len} "
+          f"--data {source!r} has {n} tokens of text: too little for --seq-len {seq_len} "
           f"(need at least {2 * (seq_len + 2)})")
-    return cls(tokens, n_eval, source, report, key)
+    return cls(tokens, n_eval, source, report, key, tokenizer)
 
   def describe(self) -> str:
     """One line: how many tokens came from where, what was skipped."""
     r = self.report
     skipped = _skipped(r)
-    return (f"{r['tokens']:,} tokens (bytes) from {r['files']:,} file(s) of {self.source}"
+    return (f"{r['tokens']:,} tokens ({self.tokenizer.name}) from {r['files']:,} file(s) of "
+            f"{self.source}"
             f"{f'; skipped {skipped}' if skipped else ''} | {len(self.train):,} train / "
             f"{len(self.eval):,} eval")
 
   def unigram_entropy(self) -> float:
-    """Entropy (nats) of the byte distribution: what a model without context scores."""
-    counts = np.asarray(self.report["byte_counts"], np.float64)
+    """Entropy (nats) of the token distribution: what a model without context scores."""
+    counts = np.asarray(self.report["token_counts"], np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
@@ -175,14 +225,15 @@ def _skipped(report: dict[str, Any]) -> str:
   return ", ".join(parts)
 
 
-def _cached_tokens(files: list[Path], key: str, cache: Path,
+def _cached_tokens(files: list[Path], key: str, tokenizer, cache: Path,
                    show_progress: bool) -> tuple[Path, dict[str, Any]]:
   """The token file for ``files`` (built on a miss) and its report."""
   tokens_path = cache / f"tokens-{key[:32]}.bin"
   report_path = cache / f"tokens-{key[:32]}.json"
   try:
     report = json.loads(report_path.read_text(encoding="utf-8"))
-    if report.get("fingerprint") == key and tokens_path.stat().st_size == report["tokens"]:
+    size = report["tokens"] * tokenizer.dtype.itemsize
+    if report.get("fingerprint") == key and tokens_path.stat().st_size == size:
       return tokens_path, report
   except (OSError, ValueError, KeyError, AttributeError):
     pass
@@ -195,9 +246,9 @@ def _cached_tokens(files: list[Path], key: str, cache: Path,
         with Progress(TextColumn("[bold]tokenizing"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("files"), transient=True) as bar:
           task = bar.add_task("tokenize", total=len(files))
-          report = tokenize_to_file(files, out, lambda _: bar.advance(task))
+          report = tokenize_to_file(files, out, tokenizer, lambda _: bar.advance(task))
       else:
-        report = tokenize_to_file(files, out)
+        report = tokenize_to_file(files, out, tokenizer)
       out.flush()
       os.fsync(out.fileno())
     report["fingerprint"] = key

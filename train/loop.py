@@ -23,8 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
 from models.config import TransformerConfig
+from models.hf import HFConfigError, load_hf, read_config
 from models.transformer import Transformer
-from train.data import ByteCorpus
+from train.data import HFTokenizer, TokenCorpus
 from train.errors import RunError, UsageError
 from train.sample import generate
 from train.step import LossOptions, Trainer, make_optimizer
@@ -36,7 +37,7 @@ def is_main_process() -> bool:
   return jax.process_index() == 0
 
 
-def global_batch(corpus: ByteCorpus, split: str, seed: int, step: int, batch_size: int,
+def global_batch(corpus: TokenCorpus, split: str, seed: int, step: int, batch_size: int,
                  seq_len: int, sharding: NamedSharding) -> jax.Array:
   """The step's ``[batch, seq_len + 1]`` tokens, sharded over "data".
 
@@ -158,10 +159,11 @@ class Interrupts:
 
 
 def run_identity(args: argparse.Namespace, cfg: TransformerConfig,
-                 corpus: ByteCorpus) -> dict[str, Any]:
+                 corpus: TokenCorpus) -> dict[str, Any]:
   """What makes a run this run: a checkpoint of another is never resumed silently."""
   return dict(config=dataclasses.asdict(cfg), seed=args.seed, batch_size=args.batch_size,
-              seq_len=args.seq_len, data=corpus.source,
+              seq_len=args.seq_len, data=corpus.source, tokenizer=corpus.tokenizer.name,
+              init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
               optimizer=dict(lr=args.lr, warmup_steps=args.warmup_steps,
                              weight_decay=args.weight_decay, grad_clip=args.grad_clip),
               loss=dict(label_smoothing=args.label_smoothing, z_loss=args.z_loss))
@@ -197,7 +199,7 @@ def claim_checkpoint_dir(args: argparse.Namespace, checkpointer: Checkpointer,
 
 
 def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
-                 identity: dict[str, Any], corpus: ByteCorpus) -> tuple[int, list[str]]:
+                 identity: dict[str, Any], corpus: TokenCorpus) -> tuple[int, list[str]]:
   """The step to resume from, after checking that the checkpoint is this run's."""
   if checkpointer.latest_step() is None:
     raise UsageError(f"--resume: no checkpoint in {args.checkpoint_dir!r}")
@@ -228,6 +230,26 @@ def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
   return int(meta["step"]), notes
 
 
+def hf_model_and_tokenizer(folder: str, overrides: dict[str, Any]):
+  """The config and tokenizer of ``--init-from``'s folder (UsageError naming what is wrong)."""
+  try:
+    cfg = read_config(folder, **overrides)
+  except (HFConfigError, ValueError, KeyError, OSError) as err:
+    raise UsageError(f"--init-from {folder!r}: {err}") from None
+  path = Path(folder) / "tokenizer.json"
+  if not path.is_file():
+    raise UsageError(f"--init-from {folder!r} has no tokenizer.json: the text cannot be "
+                     "turned into this model's tokens")
+  try:
+    tokenizer = HFTokenizer(path)
+  except Exception as err:  # tokenizers raises its own exception types
+    raise UsageError(f"--init-from {folder!r}: cannot read tokenizer.json: {err}") from None
+  if tokenizer.vocab_size > cfg.vocab_size:
+    raise UsageError(f"--init-from {folder!r}: tokenizer.json has {tokenizer.vocab_size} "
+                     f"tokens, more than the model's vocab_size {cfg.vocab_size}")
+  return cfg, tokenizer
+
+
 def run(args: argparse.Namespace) -> int:
   console = Console(quiet=not is_main_process(), highlight=False, soft_wrap=True)
   errors = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -239,15 +261,20 @@ def run(args: argparse.Namespace) -> int:
   if args.batch_size % data_size:
     raise UsageError(f"--batch-size {args.batch_size} is not divisible by the {data_size}-way "
                      f"data axis of --mesh {args.mesh}")
-  cfg = TransformerConfig.preset(args.preset, max_seq_len=args.seq_len, dropout=args.dropout,
-                                 dtype=args.dtype)
+  overrides = dict(max_seq_len=args.seq_len, dropout=args.dropout, dtype=args.dtype)
+  tokenizer = None
+  if args.init_from:
+    cfg, tokenizer = hf_model_and_tokenizer(args.init_from, overrides)
+  else:
+    cfg = TransformerConfig.preset(args.preset or "small", **overrides)
   checkpointer = None
   if args.checkpoint_dir:
     checkpointer = Checkpointer(args.checkpoint_dir, max_to_keep=args.keep_checkpoints or None,
                                 asynchronous=True)
     claim_checkpoint_dir(args, checkpointer, console)
   try:
-    corpus = ByteCorpus.load(args.data, seq_len=args.seq_len, show_progress=is_main_process())
+    corpus = TokenCorpus.load(args.data, seq_len=args.seq_len, tokenizer=tokenizer,
+                              show_progress=is_main_process())
   except ValueError as err:
     raise UsageError(str(err)) from None
   identity = run_identity(args, cfg, corpus)
@@ -258,7 +285,10 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as err:
       raise UsageError(str(err)) from None
 
-  model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(args.seed))
+  if args.init_from and start == 0:
+    model = load_hf(args.init_from, mesh, seed=args.seed, **overrides)
+  else:  # a fresh model, or one a checkpoint then overwrites
+    model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(args.seed))
   tx = make_optimizer(lr=args.lr, steps=args.steps, warmup_steps=args.warmup_steps,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip)
   trainer = Trainer(model, tx, LossOptions(args.label_smoothing, args.z_loss))
@@ -280,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
     local_rows = all(len({d.process_index for d in row}) == 1 for row in mesh.devices)
     console.print(f"processes: {jax.process_count()} x {jax.local_device_count()} devices; the "
                   f"model axis {'stays inside' if local_rows else 'spans'} a process")
-  console.print(f"model: preset {args.preset}, {summary['params']:,} params | per device: "
+  origin = f"from {args.init_from}" if args.init_from else f"preset {args.preset or 'small'}"
+  console.print(f"model: {origin}, {summary['params']:,} params | per device: "
                 f"sharded {_mib(summary['sharded_bytes_per_device'])}, replicated "
                 f"{_mib(summary['replicated_bytes_per_device'])}")
   console.print(f"data: {corpus.describe()} | unigram entropy {corpus.unigram_entropy():.3f} "
@@ -387,10 +418,12 @@ def run(args: argparse.Namespace) -> int:
       metrics.close()
 
   if args.sample_length:
-    sample = generate(trainer, params, args.sample_prompt.encode(), length=args.sample_length,
+    tokenizer = corpus.tokenizer
+    prompt = [int(t) for t in tokenizer.encode(args.sample_prompt.encode())]
+    sample = generate(trainer, params, prompt, length=args.sample_length,
                       seq_len=args.seq_len, seed=args.seed)
     console.rule("sample")
-    console.print(args.sample_prompt + sample.decode("utf-8", errors="replace"), markup=False)
+    console.print(args.sample_prompt + tokenizer.decode(sample), markup=False)
     console.rule()
   console.print(f"done: {args.steps} steps, final train loss {loss:.4f}, eval loss "
                 f"{last_eval:.4f} (unigram entropy {corpus.unigram_entropy():.3f}), "

@@ -42,10 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--mesh", default=d["mesh"],
                  help="DxM: D-way data parallel by M-way tensor (model) parallel")
-  p.add_argument("--preset", default=d["preset"], choices=TransformerConfig.preset_names(),
+  p.add_argument("--preset", default=None, choices=TransformerConfig.preset_names(),
                  help="model: 'tiny' for tests, 'small' trains usefully on a CPU; 'llama-tiny' "
                       "(grouped-query attention, RMSNorm, SwiGLU) for tests, 'llama-125m' and "
-                      "'llama-350m' Llama-style sizes for benchmarks")
+                      "'llama-350m' Llama-style sizes for benchmarks (default: "
+                      f"{d['preset']})")
+  p.add_argument("--init-from", default=None, metavar="HF_DIR",
+                 help="continue training a HuggingFace Llama/Qwen2 checkpoint (config.json, "
+                      "safetensors, tokenizer.json); its config replaces --preset and its "
+                      "tokenizer the byte-level one")
   p.add_argument("--steps", type=int, default=d["steps"], help="total optimizer steps")
   p.add_argument("--batch-size", type=int, default=d["batch_size"],
                  help="global batch (sequences per step), split over the data axis")
@@ -143,6 +148,13 @@ def check_args(args: argparse.Namespace) -> None:
                       ("checkpoint_every", args.checkpoint_every)):
     if needs and not args.checkpoint_dir:
       raise UsageError(f"{_flag(flag)} needs --checkpoint-dir")
+  if args.init_from is not None:
+    if args.preset is not None:
+      raise UsageError("--preset and --init-from contradict each other: the checkpoint's "
+                       "config.json gives the model")
+    if not (Path(args.init_from) / "config.json").is_file():
+      raise UsageError(f"--init-from {args.init_from!r} is not a HuggingFace model folder (no "
+                       "config.json)")
   if args.data is not None and not Path(args.data).exists():
     raise UsageError(f"--data {args.data!r} does not exist")
   if args.checkpoint_dir:

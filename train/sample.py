@@ -30,9 +30,9 @@ def make_next_logits(trainer):
                                out_specs=P()))
 
 
-def generate(trainer, params, prompt: bytes, *, length: int, seq_len: int, seed: int,
-             temperature: float = 0.7) -> bytes:
-  """Samples ``length`` bytes after ``prompt`` (temperature sampling, fixed seed)."""
+def generate(trainer, params, prompt: list[int], *, length: int, seq_len: int, seed: int,
+             temperature: float = 0.7) -> list[int]:
+  """Samples ``length`` token ids after ``prompt`` (temperature sampling, fixed seed)."""
   next_logits = make_next_logits(trainer)
   rng = np.random.default_rng(seed)
   tokens = list(prompt) or [ord("\n")]
@@ -44,5 +44,4 @@ def generate(trainer, params, prompt: bytes, *, length: int, seq_len: int, seed:
                         np.float64)
     probs = np.exp((logits - logits.max()) / temperature)
     tokens.append(int(rng.choice(len(probs), p=probs / probs.sum())))
-  # Ids past the byte range (a vocabulary padded for tests) print as '?'.
-  return bytes(t if t < 256 else ord("?") for t in tokens[len(prompt):])
+  return tokens[len(prompt):]
