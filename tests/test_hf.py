@@ -62,6 +62,25 @@ def test_save_hf_round_trip(tmp_path, meshes, name):
   assert config_from_hf(json.loads((tmp_path / "config.json").read_text())) == model.cfg
 
 
+def test_sharded_checkpoint_folder_loads_the_same(tmp_path, meshes):
+  """The ``model.safetensors.index.json`` form (several files) gives the same model."""
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(FIXTURES / "llama" / "model.safetensors")
+  names = sorted(tensors)
+  parts = {"model-00001-of-00002.safetensors": names[::2],
+           "model-00002-of-00002.safetensors": names[1::2]}
+  for file, keys in parts.items():
+    save_file({k: tensors[k] for k in keys}, str(tmp_path / file), metadata={"format": "pt"})
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+      {"metadata": {}, "weight_map": {k: f for f, keys in parts.items() for k in keys}}))
+  shutil.copy(FIXTURES / "llama" / "config.json", tmp_path)
+  one = load_hf(FIXTURES / "llama", meshes["1x3"])
+  two = load_hf(tmp_path, meshes["1x3"])
+  for a, b in zip(jax.tree.leaves(flax_tp.unshard(one)), jax.tree.leaves(flax_tp.unshard(two)),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("change,field", [
     ({"model_type": "gpt2"}, "model_type 'gpt2'"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),

@@ -129,17 +129,21 @@ def test_collectives_per_block(meshes):
 LLAMA = TransformerConfig.preset("llama-tiny", qkv_bias=True)  # 6 q / 2 kv heads, Qwen2 biases
 
 
+# (kv heads, every bias on): Qwen2's q/k/v biases, and Llama's attention/MLP biases on MQA.
+VARIANTS = {2: dict(qkv_bias=True), 1: dict(qkv_bias=True, attn_out_bias=True, mlp_bias=True)}
+
+
 @pytest.fixture(scope="module")
 def llama_references():
-  return {kv: reference_run(TransformerConfig.preset("llama-tiny", qkv_bias=True,
-                                                     num_kv_heads=kv)) for kv in (1, 2)}
+  return {kv: reference_run(TransformerConfig.preset("llama-tiny", num_kv_heads=kv, **extra))
+          for kv, extra in VARIANTS.items()}
 
 
 @pytest.mark.parametrize("kv_heads,mesh_spec", [(2, "2x4"), (2, "1x8"), (2, "1x3"), (1, "1x8")])
 def test_grouped_query_attention_equivalence(meshes, llama_references, kv_heads, mesh_spec):
   """kv heads replicated where the axis does not line up (2 kv over 4 or 3 devices, 1 over
   8; devices without query heads): init, logits, grads, 3 steps; every copy stays equal."""
-  cfg = TransformerConfig.preset("llama-tiny", qkv_bias=True, num_kv_heads=kv_heads)
+  cfg = TransformerConfig.preset("llama-tiny", num_kv_heads=kv_heads, **VARIANTS[kv_heads])
   ref_model, ref_losses, ref_grads, ref_params = llama_references[kv_heads]
   model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0))
   assert_state_close(model, ref_model, rtol=0, atol=0)
