@@ -219,3 +219,19 @@ def test_init_from_bad_folders_exit_2(tmp_path, hf_folder, capsys):
     assert main([*base, *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_init_from_a_checkpoint_missing_a_tensor_exits_2(tmp_path, hf_folder, capsys):
+  from safetensors.numpy import load_file, save_file
+
+  from train.run import main
+  folder, corpus = hf_folder
+  broken = tmp_path / "broken"
+  shutil.copytree(folder, broken)
+  tensors = load_file(broken / "model.safetensors")
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  save_file(tensors, str(broken / "model.safetensors"))
+  assert main(["--init-from", str(broken), "--batch-size", "8", "--seq-len", "16", "--steps",
+               "1", "--data", corpus]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "lacks tensor 'model.layers.1.mlp.up_proj.weight'" in err

@@ -286,7 +286,10 @@ def run(args: argparse.Namespace) -> int:
       raise UsageError(str(err)) from None
 
   if args.init_from and start == 0:
-    model = load_hf(args.init_from, mesh, seed=args.seed, **overrides)
+    try:
+      model = load_hf(args.init_from, mesh, seed=args.seed, **overrides)
+    except (ValueError, OSError) as err:  # missing or misshapen tensors: bad input
+      raise UsageError(f"--init-from {args.init_from!r}: {err}") from None
   else:  # a fresh model, or one a checkpoint then overwrites
     model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(args.seed))
   tx = make_optimizer(lr=args.lr, steps=args.steps, warmup_steps=args.warmup_steps,
