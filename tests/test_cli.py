@@ -26,7 +26,8 @@ def test_help_documents_every_flag():
   for flag in ("--mesh", "--preset", "--steps", "--batch-size", "--seq-len", "--lr",
                "--warmup-steps", "--weight-decay", "--grad-clip", "--dropout", "--dtype",
                "--seed", "--data", "--eval-every", "--checkpoint-dir", "--checkpoint-every",
-               "--resume", "--metrics-file", "--sample-prompt"):
+               "--resume", "--metrics-file", "--sample-prompt", "--overwrite",
+               "--keep-checkpoints", "--init-from", "llama-125m"):
     assert flag in out.stdout
 
 
