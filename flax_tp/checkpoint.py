@@ -363,6 +363,9 @@ class Checkpointer:
   def restore(self, like: dict[str, Any], step: int | None = None) -> tuple[dict[str, Any], dict]:
     """Restores the trees named in ``like`` onto their shardings; returns (trees, meta).
 
+    ``like`` may name a subset of the saved trees (``{"params": ...}`` alone for
+    inference); each tree it names must match the saved one exactly.
+
     ``like`` gives each leaf's sharding, padding layout and dtype (its values
     are not used). Each process reads only what its devices hold.
     """
@@ -375,7 +378,9 @@ class Checkpointer:
     flat = _flat(like)
     keys = [key for key, _ in flat]
     missing = sorted(set(keys) - set(record["arrays"]))
-    unexpected = sorted(set(record["arrays"]) - set(keys))
+    # Trees not asked for (the optimizer state, when only params are wanted) are skipped.
+    unexpected = sorted(k for k in set(record["arrays"]) - set(keys)
+                        if k.split(".", 1)[0] in like)
     if missing or unexpected:
       raise CheckpointError(
           f"checkpoint step {step} does not match the model: missing {missing[:5]}"

@@ -10,12 +10,18 @@ import jax
 import jax.numpy as jnp
 
 
-def rotary(x: jax.Array, base: float) -> jax.Array:
-  """Rotary position embedding. x: ``[b, s, h, k]`` -> same shape and dtype."""
+def rotary(x: jax.Array, base: float, positions: jax.Array | None = None) -> jax.Array:
+  """Rotary position embedding. x: ``[b, s, h, k]`` -> same shape and dtype.
+
+  positions: ``[b, s]`` int position of each token (a KV-cached step's tokens
+  start where the cache ends); None means ``0 .. s-1`` for every row.
+  """
   s, k = x.shape[1], x.shape[-1]
   inv_freq = 1.0 / (base ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
-  angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [s, k/2]
-  sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+  if positions is None:
+    positions = jnp.arange(s)[None, :]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b | 1, s, k/2]
+  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -60,6 +66,25 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   probs = jax.nn.softmax(scores, axis=-1)
   probs = dropout(probs, dropout_key, rate, rows, heads).astype(v.dtype)
   return jnp.einsum("bhqt,bthk->bqhk", probs, v)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     positions: jax.Array) -> jax.Array:
+  """Attention of new tokens over a KV cache, causal by position.
+
+  q: ``[b, s, g, r, k]``, the new tokens' query heads in ``g`` groups of ``r``
+    (query head ``(g, r)`` reads kv head ``g``; ``r = 1`` for one kv head per query head).
+  k, v: ``[b, L, g, k]`` the cache, already holding the new tokens' keys/values.
+  positions: ``[b, s]`` each new token's position; it sees cache slots ``<= position``
+    (slots past it hold padding or stale values and are masked).
+  returns ``[b, s, g, r, k]``. Softmax runs in float32, as in ``causal_attention``.
+  """
+  scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
+  scores = jnp.einsum("bqgrk,btgk->bgrqt", q, k, preferred_element_type=jnp.float32) * scale
+  visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # [b, s, L]
+  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("bgrqt,btgk->bqgrk", probs, v)
 
 
 def site_key(key: jax.Array | None, layer: int, site: int) -> jax.Array | None:

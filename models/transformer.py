@@ -68,16 +68,23 @@ class ParallelAttention(nnx.Module):
       real[i, :count] = True
     return index, real
 
-  def __call__(self, x_bsd, key, layer, rows):
-    """x: ``[b, s, d]`` replicated -> ``[b, s, d]`` replicated (after one all-reduce)."""
-    cfg = self.cfg
+  def _project(self, x_bsd, positions=None):
+    """This device's query heads ``[b, s, hq_pad, k]`` and kv heads ``[b, s, hkv_pad, k]``
+    (rotary applied at ``positions [b, s]``, default ``0 .. s-1``)."""
     b, s, _ = x_bsd.shape
     # One copy_to_parallel for q, k and v: backward sums their input gradients
     # first and all-reduces once.
     x_bsd = flax_tp.copy_to_parallel(x_bsd)
-    split = lambda t: t.reshape(b, s, -1, cfg.head_dim)
+    split = lambda t: t.reshape(b, s, -1, self.cfg.head_dim)
     q, k, v = split(self.q(x_bsd)), split(self.k(x_bsd)), split(self.v(x_bsd))
-    q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
+    base = self.cfg.rope_base
+    return ops.rotary(q, base, positions), ops.rotary(k, base, positions), v
+
+  def __call__(self, x_bsd, key, layer, rows):
+    """x: ``[b, s, d]`` replicated -> ``[b, s, d]`` replicated (after one all-reduce)."""
+    cfg = self.cfg
+    b, s, _ = x_bsd.shape
+    q, k, v = self._project(x_bsd)
     device = flax_tp.shard_index(self.q.axis_name)
     if cfg.kv_heads != cfg.num_heads:  # grouped-query: each query head's kv head, locally
       index, real = (jnp.asarray(t)[device] for t in self._kv_for_query_heads())
@@ -91,6 +98,46 @@ class ParallelAttention(nnx.Module):
       # plain attention's padded heads (zero q, k and v) are.
       out = jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
     return self.o(out.reshape(b, s, -1))
+
+  def _groups_line_up(self) -> bool:
+    """Whether every device's query heads are whole groups over its own kv heads, in
+    order (padding over padding), so ``[hq_pad]`` reshapes to ``[hkv_pad, group]``."""
+    cfg = self.cfg
+    group = cfg.num_heads // cfg.kv_heads
+    index, real = self._kv_for_query_heads()
+    kv_local = self.k.layout.padded_size // cfg.head_dim
+    if index.shape[1] != kv_local * group:
+      return False
+    expected = np.arange(index.shape[1]) // group
+    kv_real = np.asarray(self.k.layout.sizes) // cfg.head_dim
+    return bool(np.all(np.where(real, index == expected, expected >= kv_real[:, None])))
+
+  def extend(self, x_bsd, cache, positions):
+    """One cached step: ``x [b, s, d]`` replicated at ``positions [b, s]`` (consecutive
+    per row) -> (``[b, s, d]`` replicated after one all-reduce, the updated cache).
+
+    cache: ``(k, v)``, each ``[b, L, hkv_pad, k]``, this device's kv heads (the heads
+    its query heads use, replicated ones included, padding zero). The new tokens'
+    keys and values are written at their positions, then every query attends to
+    the cache slots at or before its own position.
+    """
+    cfg = self.cfg
+    b, s, _ = x_bsd.shape
+    q, k, v = self._project(x_bsd, positions)
+    write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(
+        c, new.astype(c.dtype), at, axis=0))
+    cache_k, cache_v = (write(c, new, positions[:, 0]) for c, new in zip(cache, (k, v),
+                                                                           strict=True))
+    if self._groups_line_up():  # read each kv head once for its whole group
+      out = ops.cached_attention(q.reshape(b, s, cache_k.shape[2], -1, cfg.head_dim),
+                                 cache_k, cache_v, positions)
+    else:  # replicated kv heads straddle a device's groups: pick each query head's
+      index, real = (jnp.asarray(t)[flax_tp.shard_index(self.q.axis_name)]
+                     for t in self._kv_for_query_heads())
+      out = ops.cached_attention(q[:, :, :, None], jnp.take(cache_k, index, axis=2),
+                                 jnp.take(cache_v, index, axis=2), positions)
+      out = jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))
+    return self.o(out.reshape(b, s, -1)), (cache_k, cache_v)
 
 
 class ParallelMLP(nnx.Module):
@@ -119,6 +166,12 @@ class ParallelBlock(nnx.Module):
     self.ln2 = cfg.norm_layer(rngs)
     self.mlp = ParallelMLP(cfg, mesh=mesh, rngs=rngs)
     self.cfg = cfg
+
+  def extend(self, x_bsd, cache, positions):
+    """The block on new tokens with a KV cache (no dropout: inference)."""
+    attn, cache = self.attn.extend(self.ln1(x_bsd), cache, positions)
+    x_bsd = x_bsd + attn
+    return x_bsd + self.mlp(self.ln2(x_bsd)), cache
 
   def __call__(self, x_bsd, key, layer, rows):
     rate = self.cfg.dropout
@@ -173,6 +226,30 @@ class Transformer(nnx.Module):
       x = block(x, dropout_key, layer, rows)
     x = flax_tp.copy_to_parallel(self.ln_f(x))
     return self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
+
+  def kv_cache_heads(self) -> int:
+    """kv heads each device's cache holds (its stored, padded kv heads)."""
+    return self.blocks[0].attn.k.layout.padded_size // self.cfg.head_dim
+
+  def extend(self, tokens_bs, cache, positions_bs, last_b):
+    """Inside ``shard_map``: new tokens through the model with a KV cache.
+
+    tokens_bs: ``[b, s]`` at ``positions_bs [b, s]`` (consecutive per row);
+    cache: one ``(k, v)`` per block, each ``[b, L, hkv_pad, head_dim]`` on this device;
+    last_b: ``[b]`` which of the ``s`` tokens' logits to return.
+    returns this device's vocabulary shard of those logits ``[b, vocab_pad]`` and
+    the updated cache. Per block the communication is Megatron's two all-reduces.
+    """
+    x = self.embed(tokens_bs)
+    new_cache = []
+    for block, layer_cache in zip(self.blocks, cache, strict=True):
+      x, layer_cache = block.extend(x, layer_cache, positions_bs)
+      new_cache.append(layer_cache)
+    # The final norm and the head only for the position whose logits are wanted.
+    x = jnp.take_along_axis(x, last_b[:, None, None], axis=1)[:, 0]  # [b, d]
+    x = flax_tp.copy_to_parallel(self.ln_f(x))
+    logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.head(x)
+    return logits, tuple(new_cache)
 
   def _standalone(self, tokens_bs, dropout_key):
     graphdef, state = nnx.split(self)

@@ -42,7 +42,7 @@ class ByteTokenizer:
   vocab_size = 256
   dtype = np.dtype(np.uint8)
 
-  def encode(self, data: bytes) -> np.ndarray:
+  def encode(self, data: bytes, special_tokens: bool = False) -> np.ndarray:
     return np.frombuffer(data, np.uint8)
 
   def decode(self, ids) -> str:
@@ -62,8 +62,11 @@ class HFTokenizer:
     self.vocab_size = self._tokenizer.get_vocab_size()
     self.dtype = np.dtype(np.uint16 if self.vocab_size <= 2**16 else np.uint32)
 
-  def encode(self, data: bytes) -> np.ndarray:
-    ids = self._tokenizer.encode(data.decode("utf-8", "replace"), add_special_tokens=False).ids
+  def encode(self, data: bytes, special_tokens: bool = False) -> np.ndarray:
+    """Token ids of ``data``; ``special_tokens`` adds the tokenizer's own (a Llama
+    prompt's BOS), as HF's pipelines do for a prompt; training text gets none."""
+    ids = self._tokenizer.encode(data.decode("utf-8", "replace"),
+                                 add_special_tokens=special_tokens).ids
     return np.asarray(ids, self.dtype)
 
   def decode(self, ids) -> str:

@@ -230,22 +230,22 @@ def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
   return int(meta["step"]), notes
 
 
-def hf_model_and_tokenizer(folder: str, overrides: dict[str, Any]):
-  """The config and tokenizer of ``--init-from``'s folder (UsageError naming what is wrong)."""
+def hf_model_and_tokenizer(folder: str, overrides: dict[str, Any], flag: str = "--init-from"):
+  """The config and tokenizer of an HF folder (UsageError naming ``flag`` and what is wrong)."""
   try:
     cfg = read_config(folder, **overrides)
   except (HFConfigError, ValueError, KeyError, OSError) as err:
-    raise UsageError(f"--init-from {folder!r}: {err}") from None
+    raise UsageError(f"{flag} {folder!r}: {err}") from None
   path = Path(folder) / "tokenizer.json"
   if not path.is_file():
-    raise UsageError(f"--init-from {folder!r} has no tokenizer.json: the text cannot be "
+    raise UsageError(f"{flag} {folder!r} has no tokenizer.json: the text cannot be "
                      "turned into this model's tokens")
   try:
     tokenizer = HFTokenizer(path)
   except Exception as err:  # tokenizers raises its own exception types
-    raise UsageError(f"--init-from {folder!r}: cannot read tokenizer.json: {err}") from None
+    raise UsageError(f"{flag} {folder!r}: cannot read tokenizer.json: {err}") from None
   if tokenizer.vocab_size > cfg.vocab_size:
-    raise UsageError(f"--init-from {folder!r}: tokenizer.json has {tokenizer.vocab_size} "
+    raise UsageError(f"{flag} {folder!r}: tokenizer.json has {tokenizer.vocab_size} "
                      f"tokens, more than the model's vocab_size {cfg.vocab_size}")
   return cfg, tokenizer
 

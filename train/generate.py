@@ -1,0 +1,257 @@
+#!/usr/bin/env python
+"""Generate text with a tensor-parallel model, streaming it as it is produced.
+
+    python train/generate.py --hf DIR --mesh 1x8 --prompt "def main():" --max-new-tokens 64
+    python train/generate.py --checkpoint CKPT_DIR --mesh 2x4 --prompt "import " \\
+        --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1
+
+``--hf`` reads a HuggingFace Llama/Qwen2 folder (config.json, safetensors and its
+tokenizer.json; the prompt gets the tokenizer's special tokens, as HF's pipeline
+gives it). ``--checkpoint`` reads a ``train/run.py`` checkpoint directory (the
+latest step, or ``--step``) and its run's tokenizer: bytes for the built-in
+presets, the ``--init-from`` folder's tokenizer.json otherwise. The model is
+split over the mesh's ``"model"`` axis with a KV cache sharded like its kv
+heads (``models/generate.py``). Greedy by default. Bad input exits 2 with one
+line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+  sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from train.errors import RunError, UsageError
+from train.run import (
+    INT_MAX,
+    MAX_SIMULATED_DEVICES,
+    SEED_LIMIT,
+    _Parser,
+    one_line,
+    provide_cpu_devices,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="train/generate.py", description=__doc__.split("\n\n")[0],
+              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  source = p.add_mutually_exclusive_group(required=True)
+  source.add_argument("--hf", metavar="DIR", help="a HuggingFace Llama/Qwen2 model folder")
+  source.add_argument("--checkpoint", metavar="DIR", help="a train/run.py --checkpoint-dir")
+  p.add_argument("--step", type=int, default=None,
+                 help="the checkpoint step to load (default: the latest)")
+  p.add_argument("--mesh", default="1x1", help="DATAxMODEL devices, e.g. 1x8")
+  p.add_argument("--prompt", default="def ", help="the text to continue")
+  p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
+  p.add_argument("--temperature", type=float, default=0.0,
+                 help="sampling temperature; 0 is greedy")
+  p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens")
+  p.add_argument("--top-p", type=float, default=None,
+                 help="sample within the smallest set of tokens holding this probability")
+  p.add_argument("--seed", type=int, default=0, help="seed of the sampling noise")
+  p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                 help="compute dtype (default: the model's)")
+  return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+  if not 1 <= args.max_new_tokens <= INT_MAX:
+    raise UsageError(f"--max-new-tokens must be an integer in [1, {INT_MAX}], got "
+                     f"{args.max_new_tokens}")
+  if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    raise UsageError(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature}")
+  if args.top_k is not None and not 1 <= args.top_k <= INT_MAX:
+    raise UsageError(f"--top-k must be an integer in [1, {INT_MAX}], got {args.top_k}")
+  if args.top_p is not None and not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+    raise UsageError(f"--top-p must be a number in (0, 1], got {args.top_p}")
+  if not 0 <= args.seed < SEED_LIMIT:
+    raise UsageError(f"--seed must be an integer in [0, 2**32), got {args.seed}")
+  if args.step is not None and args.hf:
+    raise UsageError("--step needs --checkpoint (an HF folder holds one model)")
+  if not args.prompt:
+    raise UsageError("--prompt is empty: give at least one character to continue")
+  folder = Path(args.hf or args.checkpoint)
+  if not folder.is_dir():
+    raise UsageError(f"{'--hf' if args.hf else '--checkpoint'} {str(folder)!r} is not a folder")
+  if args.hf and not (folder / "config.json").is_file():
+    raise UsageError(f"--hf {args.hf!r} is not a HuggingFace model folder (no config.json)")
+
+
+def load_from_hf(args, mesh):
+  """(model, tokenizer, eos ids) of an HF folder."""
+  from models.hf import HFConfigError, load_hf
+  from train.loop import hf_model_and_tokenizer
+  overrides = {"dtype": args.dtype} if args.dtype else {}
+  try:
+    _, tokenizer = hf_model_and_tokenizer(args.hf, overrides, flag="--hf")
+    model = load_hf(args.hf, mesh, **overrides)
+  except (HFConfigError, ValueError, OSError) as err:
+    raise UsageError(f"--hf {args.hf!r}: {err}") from None
+  return model, tokenizer, eos_ids(Path(args.hf))
+
+
+def eos_ids(folder: Path) -> list[int]:
+  """The end-of-text ids of an HF folder (generation_config.json, else config.json)."""
+  import json
+  for name in ("generation_config.json", "config.json"):
+    path = folder / name
+    if path.is_file():
+      eos = json.loads(path.read_text()).get("eos_token_id")
+      if eos is not None:
+        return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+  return []
+
+
+def load_from_checkpoint(args, mesh):
+  """(model, tokenizer, eos ids) of a train/run.py checkpoint directory."""
+  from flax import nnx
+
+  from flax_tp.checkpoint import Checkpointer, CheckpointError
+  from models.config import TransformerConfig
+  from models.transformer import Transformer
+  from train.data import ByteTokenizer, HFTokenizer
+  checkpointer = Checkpointer(args.checkpoint)
+  try:
+    meta = checkpointer.read_meta(args.step)
+  except CheckpointError as err:
+    raise UsageError(f"--checkpoint: {err}") from None
+  run = meta.get("run") or {}
+  config = run.get("config") or meta.get("config")
+  if not isinstance(config, dict):
+    raise UsageError(f"--checkpoint {args.checkpoint!r}: the checkpoint records no model config")
+  fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+  config = {k: v for k, v in config.items() if k in fields}
+  if args.dtype:
+    config["dtype"] = args.dtype
+  try:
+    cfg = TransformerConfig(**config)
+  except (TypeError, ValueError) as err:
+    raise UsageError(f"--checkpoint {args.checkpoint!r}: bad model config: {err}") from None
+  name = run.get("tokenizer", "bytes")
+  if name == "bytes":
+    tokenizer = ByteTokenizer()
+  else:
+    path = Path(run.get("init_from") or "") / "tokenizer.json"
+    if not path.is_file():
+      raise UsageError(f"--checkpoint {args.checkpoint!r}: its run's tokenizer ({name}) was "
+                       f"{str(path)!r}, which is gone")
+    tokenizer = HFTokenizer(path)
+    if tokenizer.name != name:
+      raise UsageError(f"--checkpoint {args.checkpoint!r}: {str(path)!r} changed since the run "
+                       f"(it is {tokenizer.name}, the run used {name})")
+  model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+  try:
+    restored, _ = checkpointer.restore({"params": nnx.state(model, nnx.Param)}, args.step)
+  except CheckpointError as err:
+    raise UsageError(f"--checkpoint: {err}") from None
+  nnx.update(model, restored["params"])
+  eos = eos_ids(Path(run["init_from"])) if run.get("init_from") else []
+  return model, tokenizer, eos
+
+
+class TextStream:
+  """Prints the continuation as tokens arrive, whole characters only."""
+
+  def __init__(self, tokenizer, out=sys.stdout):
+    self.tokenizer, self.out = tokenizer, out
+    self.ids: list[int] = []
+    self.printed = ""
+
+  def add(self, token: int) -> None:
+    self.ids.append(token)
+    text = self.tokenizer.decode(self.ids)
+    # An incomplete multi-byte character decodes to U+FFFD: wait for its rest.
+    stable = text.rstrip("\ufffd")
+    if stable.startswith(self.printed) and len(stable) > len(self.printed):
+      self.out.write(stable[len(self.printed):])
+      self.out.flush()
+      self.printed = stable
+
+  def finish(self) -> None:
+    text = self.tokenizer.decode(self.ids)
+    if text.startswith(self.printed):
+      self.out.write(text[len(self.printed):])
+    self.out.write("\n")
+    self.out.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+  import numpy as np
+
+  import flax_tp
+  from models.generate import stream
+  try:
+    mesh = flax_tp.make_mesh(args.mesh)
+  except ValueError as err:
+    raise UsageError(str(err)) from None
+  started = time.perf_counter()
+  model, tokenizer, eos = (load_from_hf if args.hf else load_from_checkpoint)(args, mesh)
+  prompt = tokenizer.encode(args.prompt.encode(), special_tokens=True)
+  prompt = np.asarray(prompt, np.int32)[None]
+  longest = prompt.shape[1] + args.max_new_tokens
+  if longest > model.cfg.max_seq_len:
+    raise UsageError(f"the prompt's {prompt.shape[1]} tokens plus --max-new-tokens "
+                     f"{args.max_new_tokens} need {longest} positions; the model has "
+                     f"{model.cfg.max_seq_len} (max_seq_len)")
+  loaded = time.perf_counter()
+  sys.stdout.write(args.prompt)
+  sys.stdout.flush()
+  text = TextStream(tokenizer)
+  times = []
+  for token in stream(model, prompt, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      seed=args.seed, eos_id=eos or None):
+    times.append(time.perf_counter())
+    if eos and int(token[0]) in eos:
+      break
+    text.add(int(token[0]))
+  text.finish()
+  decode = (f", then {(len(times) - 1) / (times[-1] - times[0]):,.1f} tokens/s"
+            if len(times) > 1 else "")
+  print(f"{len(times)} tokens on mesh {args.mesh}: loaded in {loaded - started:.1f} s, first "
+        f"token after {times[0] - loaded:.2f} s (compiling included){decode}", file=sys.stderr)
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  try:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    from flax_tp.mesh import parse_mesh_spec
+    try:
+      data, model = parse_mesh_spec(args.mesh)
+    except ValueError as err:
+      raise UsageError(str(err)) from None
+    if data * model > MAX_SIMULATED_DEVICES and not os.environ.get("XLA_FLAGS"):
+      raise UsageError(f"--mesh {args.mesh} needs {data * model:,} devices; at most "
+                       f"{MAX_SIMULATED_DEVICES} can be simulated on a CPU")
+    provide_cpu_devices(data * model)
+    try:
+      return run(args)
+    except (UsageError, RunError):
+      raise
+    except Exception as err:
+      raise RunError(one_line(err)) from err
+  except UsageError as err:
+    print(f"train/generate.py: error: {err}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("\ntrain/generate.py: interrupted", file=sys.stderr)
+    return 130
+  except RunError as err:
+    print(f"train/generate.py: error: {err}", file=sys.stderr)
+    if os.environ.get("FLAX_TP_TRACEBACK") and err.__cause__ is not None:
+      traceback.print_exception(err.__cause__)
+    return 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
