@@ -13,11 +13,12 @@ from flax_tp.linear import ColumnParallelDense, RowParallelDense
 from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
 from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, make_mesh, parse_mesh_spec
 from flax_tp.partition import KVHeadLayout, ShardLayout, split_tensor_for_parallelism
+from flax_tp.sampling import vocab_parallel_sample
 from flax_tp.state import load_unsharded, place_on_mesh, replicate_on_mesh, unshard
 
 __all__ = [
     "DATA_AXIS", "MODEL_AXIS", "KVHeadLayout", "ColumnParallelDense", "RowParallelDense", "ShardLayout",
     "all_gather", "all_reduce", "axis_is_bound", "copy_to_parallel", "kept_token_count", "load_unsharded",
-    "make_mesh", "ParallelEmbedding", "place_on_mesh", "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parse_mesh_spec", "reduce_scatter", "shard_index", "replicate_on_mesh", "split_tensor_for_parallelism",
+    "make_mesh", "ParallelEmbedding", "place_on_mesh", "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_parallel_sample", "parse_mesh_spec", "reduce_scatter", "shard_index", "replicate_on_mesh", "split_tensor_for_parallelism",
     "unshard",
 ]

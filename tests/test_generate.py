@@ -1,6 +1,7 @@
 """Generation with the sharded KV cache: against transformers' generate, against
 recomputing the whole sequence, across meshes, and its compiled communication."""
 
+import re
 from pathlib import Path
 
 import jax
@@ -158,3 +159,53 @@ def test_bad_input_is_named(meshes, kwargs, message):
   args = {"prompt_ids": [[1, 2, 3]], "max_new_tokens": 4, **kwargs}
   with pytest.raises(ValueError, match=message):
     generate(model, args.pop("prompt_ids"), **args)
+
+
+# -- train/generate.py ------------------------------------------------------------------
+
+def test_cli_continues_a_training_checkpoint_on_another_mesh(tmp_path, capsys):
+  """Sampling through the CLI on 1x3 prints what generate() gives on 2x4 from the
+  same checkpoint (bytes tokenizer of the built-in presets)."""
+  from helpers import TINY_RUN_FLAGS, write_small_corpus
+
+  from flax_tp.checkpoint import Checkpointer
+  from train import generate as cli
+  from train.data import ByteTokenizer
+  from train.run import main as train_main
+  corpus = write_small_corpus(tmp_path / "corpus.py", files=3)
+  ck = tmp_path / "ck"
+  assert train_main([*TINY_RUN_FLAGS, "--mesh", "2x4", "--steps", "2", "--data", corpus,
+                     "--checkpoint-dir", str(ck)]) == 0
+  capsys.readouterr()
+  sampling = dict(temperature=0.8, top_k=50, top_p=0.95, seed=5)
+  assert cli.main(["--checkpoint", str(ck), "--mesh", "1x3", "--prompt", "def ",
+                   "--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "50",
+                   "--top-p", "0.95", "--seed", "5"]) == 0
+  out = capsys.readouterr()
+  cfg = TransformerConfig.tiny(max_seq_len=16)
+  model = Transformer(cfg, mesh=flax_tp.make_mesh("2x4"), rngs=nnx.Rngs(0))
+  params, _ = Checkpointer(ck).restore({"params": nnx.state(model, nnx.Param)})
+  nnx.update(model, params["params"])
+  prompt = list(b"def ")
+  tokens = generate(model, [prompt], max_new_tokens=12, **sampling)[0, len(prompt):]
+  assert out.out == "def " + ByteTokenizer().decode(tokens) + "\n"
+  assert "12 tokens on mesh 1x3" in out.err
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "one of the arguments --hf --checkpoint is required"),
+    (["--hf", "no/such/folder"], "--hf .no/such/folder. is not a folder"),
+    (["--hf", str(FIXTURES / "llama")], "has no tokenizer.json"),
+    (["--checkpoint", str(FIXTURES)], "--checkpoint: no checkpoint found"),
+    (["--hf", str(FIXTURES / "llama"), "--top-p", "0"], r"--top-p must be a number in \(0, 1\]"),
+    (["--hf", str(FIXTURES / "llama"), "--temperature", "nan"], "--temperature must be"),
+    (["--hf", str(FIXTURES / "llama"), "--max-new-tokens", "0"], "--max-new-tokens must be"),
+    (["--hf", str(FIXTURES / "llama"), "--mesh", "1x0"], "mesh"),
+    (["--hf", str(FIXTURES / "llama"), "--step", "3"], "--step needs --checkpoint"),
+])
+def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
+  from train import generate as cli
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("train/generate.py: error: ") and len(err.strip().splitlines()) == 1
+  assert re.search(message, err), err

@@ -132,6 +132,19 @@ def test_live_against_transformers(tmp_path, meshes, kind, extra, mesh_spec):
   for n, p in hf_model.named_parameters():
     np.testing.assert_allclose(grads[n], p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=n)
 
+  # generate(do_sample=False): each prompt alone in transformers, one ragged batch here.
+  from models.generate import generate
+  prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
+  ours = generate(model, prompts, max_new_tokens=8,
+                  eos_id=hf_model.generation_config.eos_token_id)
+  for row, prompt in enumerate(prompts):
+    p = torch.tensor([prompt])
+    theirs = hf_model.generate(p, attention_mask=torch.ones_like(p), do_sample=False,
+                               max_new_tokens=8, pad_token_id=0)[0].numpy()
+    expected = np.zeros(len(prompt) + 8, np.int64)
+    expected[:len(theirs)] = theirs  # transformers stops at eos; generate pads with 0
+    np.testing.assert_array_equal(ours[row, :len(prompt) + 8], expected)
+
   save_hf(model, tmp_path / "out")
   again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
   with torch.no_grad():
@@ -197,6 +210,30 @@ def test_init_from_fine_tunes_then_resumes_on_another_mesh(tmp_path, hf_folder, 
   # the other mesh's summation order (kv-gradient sums over 8 instead of 4 devices).
   np.testing.assert_allclose(again[0], losses[4], rtol=1e-6)
   np.testing.assert_allclose(again, losses[4:], rtol=1e-3)
+  # train/generate.py finds the run's tokenizer through the --init-from folder.
+  from train import generate as cli
+  capsys.readouterr()
+  assert cli.main(["--checkpoint", str(moved), "--mesh", "1x3", "--prompt", "def f(",
+                   "--max-new-tokens", "6"]) == 0
+  out = capsys.readouterr()
+  assert out.out.startswith("def f(") and "6 tokens on mesh 1x3" in out.err
+
+
+def test_generate_cli_streams_an_hf_folder(hf_folder, capsys):
+  """train/generate.py --hf on 2x4 prints what generate() gives on 1x1, through the
+  folder's tokenizer.json."""
+  from models.generate import generate
+  from train import generate as cli
+  from train.data import HFTokenizer
+  folder, _ = hf_folder
+  assert cli.main(["--hf", str(folder), "--mesh", "2x4", "--prompt", "def f(x):",
+                   "--max-new-tokens", "8"]) == 0
+  out = capsys.readouterr().out
+  tokenizer = HFTokenizer(folder / "tokenizer.json")
+  prompt = tokenizer.encode(b"def f(x):", special_tokens=True).tolist()
+  model = load_hf(folder, flax_tp.make_mesh("1x1"))
+  new = generate(model, [prompt], max_new_tokens=8, eos_id=cli.eos_ids(folder))
+  assert out == "def f(x):" + tokenizer.decode(new[0, len(prompt):]) + "\n"
 
 
 def test_init_from_bad_folders_exit_2(tmp_path, hf_folder, capsys):

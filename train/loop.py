@@ -27,7 +27,7 @@ from models.hf import HFConfigError, load_hf, read_config
 from models.transformer import Transformer
 from train.data import HFTokenizer, TokenCorpus
 from train.errors import RunError, UsageError
-from train.sample import generate
+from train.sample import sample_tokens
 from train.step import LossOptions, Trainer, make_optimizer
 
 EVAL_BATCHES = 4
@@ -423,8 +423,9 @@ def run(args: argparse.Namespace) -> int:
   if args.sample_length:
     tokenizer = corpus.tokenizer
     prompt = [int(t) for t in tokenizer.encode(args.sample_prompt.encode())]
-    sample = generate(trainer, params, prompt, length=args.sample_length,
-                      seq_len=args.seq_len, seed=args.seed)
+    model = nnx.merge(trainer.graphdef, params)
+    sample = sample_tokens(model, prompt, length=args.sample_length,
+                           window=min(args.seq_len, cfg.max_seq_len), seed=args.seed)
     console.rule("sample")
     console.print(args.sample_prompt + tokenizer.decode(sample), markup=False)
     console.rule()
