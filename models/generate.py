@@ -35,10 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flax_tp
 from flax_tp.sampling import vocab_parallel_sample
+from models.config import TransformerConfig
 from models.transformer import Transformer, _data_rows
 
 MIN_BUCKET = 16
@@ -87,6 +88,18 @@ def bucket(n: int, cap: int) -> int:
   return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), cap)
 
 
+def kv_cache_bytes(cfg: TransformerConfig, mesh: Mesh, batch: int, cache_len: int) -> int:
+  """Bytes of the KV cache one device holds: its rows of ``batch`` (split over
+  ``"data"``), ``cache_len`` positions, its stored kv heads (``KVHeadLayout``,
+  replicated and padding heads included), keys and values of every layer."""
+  parts = mesh.shape[flax_tp.MODEL_AXIS]
+  layout = flax_tp.KVHeadLayout(cfg.kv_heads * cfg.head_dim, parts, cfg.head_dim,
+                                num_heads=cfg.num_heads)
+  rows = -(-batch // mesh.shape[flax_tp.DATA_AXIS])
+  return (2 * cfg.num_layers * rows * cache_len * layout.padded_size
+          * jnp.dtype(cfg.compute_dtype).itemsize)
+
+
 class Decoder:
   """The compiled prefill and decode steps of one model graph on one mesh.
 
@@ -112,10 +125,7 @@ class Decoder:
 
   def cache_bytes_per_device(self, batch: int, cache_len: int) -> int:
     """Bytes of the KV cache each device holds for ``batch`` rows of ``cache_len``."""
-    local_rows = -(-batch // self.data_size)
-    itemsize = jnp.dtype(self.cfg.compute_dtype).itemsize
-    return (2 * self.cfg.num_layers * local_rows * cache_len * self.kv_heads
-            * self.cfg.head_dim * itemsize)
+    return kv_cache_bytes(self.cfg, self.mesh, batch, cache_len)
 
   def _cache_specs(self):
     return tuple((self.cache_spec, self.cache_spec) for _ in range(self.cfg.num_layers))

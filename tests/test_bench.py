@@ -28,3 +28,18 @@ def test_minimum_formula():
   assert minimum == {"count": 4 * 2 + 5 + 1,
                      "bytes": 10 * 4 * 16 * 24 * 4 + 3 * 4 * 16 * 4 + 100 + 4}
   assert megatron_minimum(cfg, 1, 1, 8, 16, 100) == {"count": 0, "bytes": 0}
+
+
+def test_decode_bench_smoke(tmp_path):
+  from bench.decode import main as decode_main
+  out = tmp_path / "decode.json"
+  assert decode_main(["--preset", "llama-tiny", "--meshes", "1x2", "--cache-meshes", "1x2,1x4",
+                      "--contexts", "8", "--new-tokens", "3", "--repeats", "1",
+                      "--out", str(out)]) == 0
+  results = json.loads(out.read_text())
+  row = results["timed"]["1x2"][0]
+  assert row["context"] == 8 and row["cached_tokens_s"] > 0 and row["recompute_tokens_s"] > 0
+  # 6 query / 2 kv heads: over 2 devices each holds its own kv head; over 4 every device
+  # holds two slots (kv heads 0, 0-1, 1, 1), four times an even split's half head.
+  assert results["cache"]["1x2"]["ratio_to_even_split"] == 1.0
+  assert results["cache"]["1x4"]["ratio_to_even_split"] == 4.0
