@@ -22,6 +22,10 @@ from flax_tp.collectives import axis_is_bound
 from flax_tp.state import partition_names, place_on_mesh
 
 
+def _tracing(args: Sequence[Any]) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+
+
 class ParallelModule(nnx.Module):
   """Base of the parallel layers: holds ``mesh`` and ``axis_name``."""
 
@@ -53,8 +57,11 @@ class ParallelModule(nnx.Module):
   def _run_standalone(self, local_fn: Callable[..., Any], args: Sequence[Any],
                       in_specs: Sequence[Any], out_specs: Any) -> Any:
     """Runs ``local_fn`` on local shards under this layer's own ``shard_map``."""
-    return jax.shard_map(local_fn, mesh=self.mesh, in_specs=tuple(in_specs),
-                         out_specs=out_specs, check_vma=True)(*args)
+    mapped = jax.shard_map(local_fn, mesh=self.mesh, in_specs=tuple(in_specs),
+                           out_specs=out_specs, check_vma=True)
+    # Outside any trace, compile the map as one program: eager shard_map would
+    # dispatch (and compile) every operation of the layer on its own.
+    return mapped(*args) if _tracing(args) else jax.jit(mapped)(*args)
 
   def _spec(self, ndim: int, dim: int | None) -> P:
     """Spec of a rank-``ndim`` array split over the model axis on ``dim``."""

@@ -61,6 +61,9 @@ def sharded_param(
   shard (``dim``) or a replica (``dim=None``).
   """
   full = init(key, shape, dtype)
+  if not isinstance(full, jax.core.Tracer):
+    # Pad on the host: eager jax slicing and padding compile a program per shard.
+    full = np.asarray(full)
   names = partition_names(len(shape), dim, axis_name, mesh.shape[axis_name])
   metadata: dict[str, Any] = {"out_sharding": names, "mesh": mesh}
   if dim is not None:
@@ -75,7 +78,10 @@ def place(value: jax.Array, sharding: NamedSharding) -> jax.Array:
   if isinstance(value, jax.core.Tracer):
     return jax.lax.with_sharding_constraint(value, sharding)
   # Each device copies only its own block, so this works for shardings that span
-  # several processes too (every process holds the same ``value``).
+  # several processes too (every process holds the same ``value``). Blocks are cut
+  # from a host copy: slicing a jax array compiles a program per distinct block.
+  if isinstance(value, jax.Array) and value.is_fully_addressable:
+    value = np.asarray(value)
   return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 

@@ -160,8 +160,8 @@ def load_from_checkpoint(args, mesh):
 class TextStream:
   """Prints the continuation as tokens arrive, whole characters only."""
 
-  def __init__(self, tokenizer, out=sys.stdout):
-    self.tokenizer, self.out = tokenizer, out
+  def __init__(self, tokenizer, out=None):
+    self.tokenizer, self.out = tokenizer, out or sys.stdout
     self.ids: list[int] = []
     self.printed = ""
 
