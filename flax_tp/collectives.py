@@ -11,6 +11,8 @@ They follow Megatron's pairing of forward and backward communication:
 - ``reduce_scatter``: backward is an all-gather.
 - ``copy_to_parallel``: identity forward; backward all-reduces the cotangent.
   This is Megatron's ``f`` operator, entered once before column-parallel layers.
+- ``gather_to_parallel``: all-gather forward, reduce-scatter backward; with
+  ``reduce_scatter`` it is sequence parallelism's pair for ``f`` and ``g``.
 
 On an axis of size 1 nothing needs communicating, and XLA does not always drop
 a collective over one device, so a replicated value passes through unchanged
@@ -129,6 +131,23 @@ def all_gather(x: jax.Array, axis: int = 0, axis_name: str = MODEL_AXIS) -> jax.
     return x
   x = _vary(x, axis_name)
   return jax.lax.all_gather(x, axis_name, axis=axis % x.ndim, tiled=True, to="invarying")
+
+
+def gather_to_parallel(x: jax.Array, axis: int = 1, axis_name: str = MODEL_AXIS) -> jax.Array:
+  """All-gathers ``x`` along ``axis`` as input to per-device work (sequence parallelism).
+
+  ``x``: ``[..., n_local, ...]`` varying over ``axis_name``; returns
+  ``[..., axis_size * n_local, ...]``, which then feeds column-parallel layers
+  whose outputs differ per device. Backward reduce-scatters the cotangent
+  (Megatron's ``gather_from_sequence_parallel_region``): the pair of this and
+  ``reduce_scatter`` replaces ``copy_to_parallel`` and a row layer's all-reduce
+  when activations between blocks are split over the sequence.
+  """
+  _require_bound(axis_name, "gather_to_parallel")
+  if _is_trivial(x, axis_name):
+    return x
+  x = _vary(x, axis_name)
+  return jax.lax.all_gather(x, axis_name, axis=axis % x.ndim, tiled=True, to="varying")
 
 
 def reduce_scatter(x: jax.Array, axis: int = 0, axis_name: str = MODEL_AXIS) -> jax.Array:

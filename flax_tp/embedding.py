@@ -17,7 +17,13 @@ from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_embed_init
 from jax.sharding import Mesh, PartitionSpec as P
 
-from flax_tp.collectives import all_gather, all_reduce, copy_to_parallel, shard_index
+from flax_tp.collectives import (
+    all_gather,
+    all_reduce,
+    copy_to_parallel,
+    reduce_scatter,
+    shard_index,
+)
 from flax_tp.layer import ParallelModule
 from flax_tp.linear import split_local
 from flax_tp.mesh import MODEL_AXIS
@@ -77,18 +83,28 @@ class VocabParallelEmbedding(_ParallelEmbed):
   like ``nnx.Embed.attend``; inside ``shard_map`` this device's padded shard
   ``[..., vocab_pad]`` of the logits (padded columns are zero), for
   ``vocab_parallel_cross_entropy``, which never gathers the full logits.
+
+  ``sequence_parallel``: inside ``shard_map`` the looked-up rows ``[..., s,
+  features]`` are reduce-scattered over the sequence (the ids' last axis, which
+  the axis size must divide) instead of all-reduced: this device gets its block
+  ``[..., s / parts, features]``. Standalone, the result is the same either way.
   """
 
   split_dim = 0
 
+  def __init__(self, num_embeddings: int, features: int, *, mesh: Mesh,
+               sequence_parallel: bool = False, **kwargs):
+    super().__init__(num_embeddings, features, mesh=mesh, **kwargs)
+    self.sequence_parallel = sequence_parallel
+
   def __call__(self, inputs: Array) -> Array:
     self._check_ids(inputs)
     if self._is_local():
-      return self._lookup(self.embedding[...], inputs)
+      return self._lookup(self.embedding[...], inputs, scatter=self.sequence_parallel)
     return self._run_standalone(self._lookup, (self.embedding[...], inputs),
                                 (self._spec(2, 0), P()), P())
 
-  def _lookup(self, table: Array, ids: Array) -> Array:
+  def _lookup(self, table: Array, ids: Array, scatter: bool = False) -> Array:
     layout, vocab = self.layout, self.num_embeddings
     table = self._table(table)
     if vocab == 1:  # nnx.Embed broadcasts a one-row table whatever the id
@@ -100,9 +116,17 @@ class VocabParallelEmbedding(_ParallelEmbed):
     mine = (local >= 0) & (local < jnp.asarray(layout.sizes)[index])
     rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
     rows = jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
-    out = all_reduce(rows, "sum", self.axis_name)
-    # jnp.take (hence nnx.Embed) fills rows of out-of-range ids with NaN.
-    return jnp.where(valid[..., None], out, jnp.full((), jnp.nan, out.dtype))
+    # jnp.take (hence nnx.Embed) fills rows of out-of-range ids with NaN; every
+    # device marks them, so the sum keeps the NaN.
+    rows = jnp.where(valid[..., None], rows, jnp.full((), jnp.nan, rows.dtype))
+    if not scatter:
+      return all_reduce(rows, "sum", self.axis_name)
+    if rows.ndim < 2 or rows.shape[-2] % self.parallel_size:
+      raise ValueError(
+          f"VocabParallelEmbedding(sequence_parallel=True) scatters the last axis of ids "
+          f"{tuple(ids.shape)} over {self.parallel_size} devices; pad it to a multiple of "
+          f"{self.parallel_size}")
+    return reduce_scatter(rows, axis=rows.ndim - 2, axis_name=self.axis_name)
 
   def attend(self, query: Array) -> Array:
     if self._is_local():

@@ -16,7 +16,14 @@ from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from jax.sharding import Mesh, PartitionSpec as P
 
-from flax_tp.collectives import all_gather, all_reduce, copy_to_parallel, shard_index
+from flax_tp.collectives import (
+    all_gather,
+    all_reduce,
+    copy_to_parallel,
+    gather_to_parallel,
+    reduce_scatter,
+    shard_index,
+)
 from flax_tp.layer import ParallelModule
 from flax_tp.mesh import MODEL_AXIS
 from flax_tp.partition import KVHeadLayout, ShardLayout
@@ -106,17 +113,27 @@ class ColumnParallelDense(_ParallelDense):
   ``shard_unit`` splits ``out`` in whole blocks (e.g. ``head_dim``); ``layout``
   may instead give the split, e.g. a ``KVHeadLayout`` for grouped-query keys and
   values, whose replicated heads get the sum of their copies' gradients.
+
+  ``sequence_parallel`` (Megatron's sequence parallelism): inside ``shard_map``
+  ``x [..., s_local, in]`` is this device's block of the sequence (axis -2),
+  all-gathered to ``[..., parts * s_local, in]`` before the matmul (backward:
+  reduce-scatter). Several layers reading one input should instead share one
+  ``flax_tp.gather_to_parallel`` and leave this off. Standalone, the result is
+  the same either way.
   """
 
   split_dim = 1
 
   def __init__(self, in_features: int, out_features: int, *, mesh: Mesh,
-               gather_output: bool = True, **kwargs):
+               gather_output: bool = True, sequence_parallel: bool = False, **kwargs):
     super().__init__(in_features, out_features, mesh=mesh, **kwargs)
     self.gather_output = gather_output
+    self.sequence_parallel = sequence_parallel
 
   def __call__(self, inputs: Array) -> Array:
     if self._is_local():
+      if self.sequence_parallel:
+        inputs = gather_to_parallel(inputs, axis=-2, axis_name=self.axis_name)
       return self._local(*self._params(), inputs, gather=self.gather_output)
     kernel_spec, bias_spec = self._param_specs()
     out_spec = P() if self.gather_output else self._spec(inputs.ndim, -1)
@@ -152,18 +169,26 @@ class RowParallelDense(_ParallelDense):
   shard ``[..., in_pad]`` (a column layer's ``gather_output=False`` output); else
   ``x [..., in]`` is replicated and the layer takes its own slice. The partial
   products are all-reduced; the result ``[..., out]`` is replicated.
+
+  ``sequence_parallel``: inside ``shard_map`` the partial products
+  ``[..., s, out]`` are reduce-scattered over the sequence (axis -2, which the
+  axis size must divide: pad it) instead of all-reduced, giving this device's
+  block ``[..., s / parts, out]`` (backward: all-gather). Standalone, the
+  result is the same either way.
   """
 
   split_dim = 0
 
   def __init__(self, in_features: int, out_features: int, *, mesh: Mesh,
-               input_is_parallel: bool = False, **kwargs):
+               input_is_parallel: bool = False, sequence_parallel: bool = False, **kwargs):
     super().__init__(in_features, out_features, mesh=mesh, **kwargs)
     self.input_is_parallel = input_is_parallel
+    self.sequence_parallel = sequence_parallel
 
   def __call__(self, inputs: Array) -> Array:
     if self._is_local():
-      return self._local(*self._params(), inputs, parallel_input=self.input_is_parallel)
+      return self._local(*self._params(), inputs, parallel_input=self.input_is_parallel,
+                         scatter=self.sequence_parallel)
     # Standalone, the logical input is padded and sharded on the way in, which is
     # cheaper than handing every device all of it and slicing.
     kernel_spec, bias_spec = self._param_specs()
@@ -173,7 +198,7 @@ class RowParallelDense(_ParallelDense):
         (kernel_spec, bias_spec, self._spec(inputs.ndim, -1)), P())
 
   def _local(self, kernel: Array, bias: Array | None, x: Array, *,
-             parallel_input: bool) -> Array:
+             parallel_input: bool, scatter: bool = False) -> Array:
     layout = self.layout
     if parallel_input:
       if x.shape[-1] != layout.padded_size:
@@ -188,7 +213,15 @@ class RowParallelDense(_ParallelDense):
     y, bias = self._matmul(x, kernel, bias)
     # Sum the partial products first, then add the bias once: adding it before
     # the reduce would count it parallel_size times.
-    y = all_reduce(y, "sum", self.axis_name)
+    if scatter:
+      if y.ndim < 2 or y.shape[-2] % self.parallel_size:
+        raise ValueError(
+            f"RowParallelDense(sequence_parallel=True) scatters axis -2 of its "
+            f"{tuple(y.shape)} output over {self.parallel_size} devices; pad the sequence "
+            f"to a multiple of {self.parallel_size}")
+      y = reduce_scatter(y, axis=y.ndim - 2, axis_name=self.axis_name)
+    else:
+      y = all_reduce(y, "sum", self.axis_name)
     return y if bias is None else y + bias
 
 

@@ -232,14 +232,16 @@ def sum_over_replicas(param: jax.Array, layout: KVHeadLayout, dim: int,
   the logical parameter, so the copies stay bitwise equal under any optimizer.
   Costs one all-reduce of the logical parameter's size in the backward pass.
   """
-  table = jnp.asarray(layout.stored_positions())  # [parts, padded_size]
+  # [parts, padded_size]; numpy, not a traced constant: the backward may run in
+  # another trace (under jax.checkpoint, the recomputation's).
+  table = layout.stored_positions()
 
   @jax.custom_vjp
   def tie(x):
     return x
 
   def backward(_, grad):
-    positions = table[shard_index(axis_name)]  # padding -> slot ``size``, dropped
+    positions = jnp.asarray(table)[shard_index(axis_name)]  # padding -> slot ``size``
     moved = jnp.moveaxis(grad, dim, 0)
     logical = jnp.zeros((layout.size + 1,) + moved.shape[1:], grad.dtype)
     logical = all_reduce(logical.at[positions].add(moved), "sum", axis_name)

@@ -112,6 +112,12 @@ class Decoder:
       raise TypeError(f"generate needs a models.transformer.Transformer (built or loaded on a "
                       f"mesh), got {type(model).__name__}")
     self.graphdef, state = nnx.split(model)
+    if model.cfg.sequence_parallel:
+      # Decoding a token is no sequence to split: run the same params through
+      # the plain layers (sequence parallelism changes no param).
+      plain = dataclasses.replace(model.cfg, sequence_parallel=False)
+      self.graphdef = nnx.graphdef(nnx.eval_shape(
+          lambda: Transformer(plain, mesh=model.mesh, rngs=nnx.Rngs(0))))
     self.specs = nnx.get_partition_spec(state)
     self.cfg, self.mesh = model.cfg, model.mesh
     self.kv_heads = model.kv_cache_heads()

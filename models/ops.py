@@ -47,6 +47,11 @@ def dropout(x: jax.Array, key: jax.Array | None, rate: float, rows: jax.Array,
   if key is None or rate == 0.0:
     return x
   keep = keep_mask(key, rate, rows, x.shape[2 if heads is not None else 1:], heads)
+  return apply_keep(x, keep, rate)
+
+
+def apply_keep(x: jax.Array, keep: jax.Array, rate: float) -> jax.Array:
+  """Inverted dropout of ``x`` with a keep-mask of its shape."""
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype)).astype(x.dtype)
 
 

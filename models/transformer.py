@@ -16,6 +16,9 @@ Param names, nesting and key-draw order match ``models/reference.py``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +39,49 @@ def _data_rows(local_batch: int) -> jax.Array:
   return first + jnp.arange(local_batch)
 
 
+@dataclasses.dataclass(frozen=True)
+class SequenceSplit:
+  """Sequence parallelism's split of the sequence over the model axis.
+
+  ``layout`` is a ``flax_tp.ShardLayout`` of the sequence: ``array_split``
+  blocks, each stored padded to the largest, so a length the axis does not
+  divide works. Between blocks each device holds ``[b, padded_size, d]``; the
+  padding rows are zero after the embedding and never reach a result (they are
+  dropped before attention, the MLP and the head).
+  """
+
+  layout: flax_tp.ShardLayout
+
+  def gather(self, x):
+    """This device's block ``[b, s_pad, ...]`` -> the whole sequence ``[b, s, ...]``
+    (varying: it feeds per-device work; backward reduce-scatters)."""
+    return self.layout.unpad(flax_tp.gather_to_parallel(x, axis=1), 1)
+
+  def for_scatter(self, y):
+    """Per-device partial sums ``[b, s, ...]`` -> their stored form ``[b, parts *
+    s_pad, ...]``, ready for a row layer's reduce-scatter."""
+    return self.layout.pad(y, 1)
+
+  def block(self, whole):
+    """This device's block ``[b, s_pad, ...]`` of a whole-sequence ``[b, s, ...]``."""
+    size = self.layout.padded_size
+    return jax.lax.dynamic_slice_in_dim(self.layout.pad(whole, 1),
+                                        flax_tp.shard_index() * size, size, axis=1)
+
+  def zero_padding(self, x):
+    return jnp.where(self.layout.local_mask(flax_tp.shard_index())[:, None], x,
+                     jnp.zeros((), x.dtype))
+
+
+def _dropout(x, key, rate, rows, seq=None):
+  """Residual/embedding dropout of ``x [b, s, d]``; under sequence parallelism the
+  mask is the whole sequence's (logical positions), cut to this device's block."""
+  if seq is None or key is None or rate == 0.0:
+    return ops.dropout(x, key, rate, rows)
+  keep = ops.keep_mask(key, rate, rows, (seq.layout.size,) + x.shape[2:])
+  return ops.apply_keep(x, seq.block(keep), rate)
+
+
 class ParallelAttention(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
     width = cfg.num_heads * cfg.head_dim
@@ -50,7 +96,8 @@ class ParallelAttention(nnx.Module):
     self.k = flax_tp.ColumnParallelDense(cfg.d_model, kv_layout.size, layout=kv_layout, **qkv)
     self.v = flax_tp.ColumnParallelDense(cfg.d_model, kv_layout.size, layout=kv_layout, **qkv)
     self.o = flax_tp.RowParallelDense(width, cfg.d_model, input_is_parallel=True,
-                                      shard_unit=cfg.head_dim, use_bias=cfg.attn_out_bias, **kw)
+                                      shard_unit=cfg.head_dim, use_bias=cfg.attn_out_bias,
+                                      sequence_parallel=cfg.sequence_parallel, **kw)
     self.cfg = cfg
 
   def _kv_for_query_heads(self) -> tuple[np.ndarray, np.ndarray]:
@@ -80,9 +127,16 @@ class ParallelAttention(nnx.Module):
     base = self.cfg.rope_base
     return ops.rotary(q, base, positions), ops.rotary(k, base, positions), v
 
-  def __call__(self, x_bsd, key, layer, rows):
-    """x: ``[b, s, d]`` replicated -> ``[b, s, d]`` replicated (after one all-reduce)."""
+  def __call__(self, x_bsd, key, layer, rows, seq=None):
+    """x: ``[b, s, d]`` replicated -> ``[b, s, d]`` replicated (after one all-reduce).
+
+    With sequence parallelism (``seq``), ``x`` is this device's block ``[b, s_pad,
+    d]``: one all-gather gives q, k and v the whole sequence, and the output
+    projection reduce-scatters back to the block.
+    """
     cfg = self.cfg
+    if seq is not None:
+      x_bsd = seq.gather(x_bsd)
     b, s, _ = x_bsd.shape
     q, k, v = self._project(x_bsd)
     device = flax_tp.shard_index(self.q.axis_name)
@@ -97,7 +151,8 @@ class ParallelAttention(nnx.Module):
       # A padded query head (zero q) would average real values: zero it, as
       # plain attention's padded heads (zero q, k and v) are.
       out = jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
-    return self.o(out.reshape(b, s, -1))
+    out = out.reshape(b, s, -1)
+    return self.o(out if seq is None else seq.for_scatter(out))
 
   def _groups_line_up(self) -> bool:
     """Whether every device's query heads are whole groups over its own kv heads, in
@@ -147,16 +202,21 @@ class ParallelMLP(nnx.Module):
     if cfg.mlp == "swiglu":
       self.gate = flax_tp.ColumnParallelDense(cfg.d_model, cfg.d_ff, gather_output=False, **kw)
     self.up = flax_tp.ColumnParallelDense(cfg.d_model, cfg.d_ff, gather_output=False, **kw)
-    self.down = flax_tp.RowParallelDense(cfg.d_ff, cfg.d_model, input_is_parallel=True, **kw)
+    self.down = flax_tp.RowParallelDense(cfg.d_ff, cfg.d_model, input_is_parallel=True,
+                                         sequence_parallel=cfg.sequence_parallel, **kw)
     self.swiglu = cfg.mlp == "swiglu"
 
-  def __call__(self, x_bsd):
+  def __call__(self, x_bsd, seq=None):
     """``[b, s, d]`` replicated -> ``[b, s, d]`` replicated; GELU(0) = SiLU(0) = 0 keeps
-    padding at 0."""
+    padding at 0. With ``seq``, this device's sequence block in and out (one
+    all-gather in, one reduce-scatter out)."""
+    x_bsd = flax_tp.copy_to_parallel(x_bsd) if seq is None else seq.gather(x_bsd)
+    # (one backward all-reduce, or reduce-scatter, for gate and up)
     if self.swiglu:
-      x_bsd = flax_tp.copy_to_parallel(x_bsd)  # one backward all-reduce for gate and up
-      return self.down(jax.nn.silu(self.gate(x_bsd)) * self.up(x_bsd))
-    return self.down(jax.nn.gelu(self.up(x_bsd)))
+      hidden = jax.nn.silu(self.gate(x_bsd)) * self.up(x_bsd)
+    else:
+      hidden = jax.nn.gelu(self.up(x_bsd))
+    return self.down(hidden if seq is None else seq.for_scatter(hidden))
 
 
 class ParallelBlock(nnx.Module):
@@ -173,12 +233,14 @@ class ParallelBlock(nnx.Module):
     x_bsd = x_bsd + attn
     return x_bsd + self.mlp(self.ln2(x_bsd)), cache
 
-  def __call__(self, x_bsd, key, layer, rows):
-    rate = self.cfg.dropout
-    attn = self.attn(self.ln1(x_bsd), key, layer, rows)
-    x_bsd = x_bsd + ops.dropout(attn, ops.site_key(key, layer, ops.ATTN_OUT), rate, rows)
-    mlp = self.mlp(self.ln2(x_bsd))
-    return x_bsd + ops.dropout(mlp, ops.site_key(key, layer, ops.MLP_OUT), rate, rows)
+  def __call__(self, x_bsd, key, layer, rows, seq=None):
+    """``[b, s, d]`` replicated, or with ``seq`` this device's block ``[b, s_pad, d]``
+    (norms, dropout and residuals then run on the block only)."""
+    drop = functools.partial(_dropout, rate=self.cfg.dropout, rows=rows, seq=seq)
+    attn = self.attn(self.ln1(x_bsd), key, layer, rows, seq)
+    x_bsd = x_bsd + drop(attn, ops.site_key(key, layer, ops.ATTN_OUT))
+    mlp = self.mlp(self.ln2(x_bsd), seq)
+    return x_bsd + drop(mlp, ops.site_key(key, layer, ops.MLP_OUT))
 
 
 class Transformer(nnx.Module):
@@ -198,7 +260,8 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
     self.embed = flax_tp.VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, mesh=mesh,
-                                                dtype=cfg.compute_dtype, rngs=rngs)
+                                                dtype=cfg.compute_dtype, rngs=rngs,
+                                                sequence_parallel=cfg.sequence_parallel)
     self.blocks = nnx.List([ParallelBlock(cfg, mesh=mesh, rngs=rngs)
                             for _ in range(cfg.num_layers)])
     self.ln_f = cfg.norm_layer(rngs)
@@ -220,12 +283,43 @@ class Transformer(nnx.Module):
       return self._standalone(tokens_bs, dropout_key)
     cfg = self.cfg
     rows = _data_rows(tokens_bs.shape[0])
-    x = self.embed(tokens_bs)
-    x = ops.dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout, rows)
-    for layer, block in enumerate(self.blocks):
-      x = block(x, dropout_key, layer, rows)
-    x = flax_tp.copy_to_parallel(self.ln_f(x))
+    seq = None
+    if cfg.sequence_parallel:
+      seq = SequenceSplit(flax_tp.ShardLayout(tokens_bs.shape[1],
+                                              self.mesh.shape[flax_tp.MODEL_AXIS]))
+      tokens_bs = seq.layout.pad(tokens_bs, 1)
+    x = self.embed(tokens_bs)  # sequence parallel: reduce-scattered to this device's block
+    if seq is not None:
+      x = seq.zero_padding(x)
+    x = _dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout, rows, seq)
+    x = self._blocks(x, dropout_key, rows, seq)
+    x = self.ln_f(x)
+    x = flax_tp.copy_to_parallel(x) if seq is None else seq.gather(x)
     return self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
+
+  def _blocks(self, x, key, rows, seq):
+    """The blocks in order: a Python loop, or one ``lax.scan`` over their stacked
+    params (``scan_layers``); each block recomputed in backward under ``remat``."""
+    cfg = self.cfg
+    graphdef = nnx.graphdef(self.blocks[0])  # every block has the same structure
+
+    def block(state, x, layer):
+      return nnx.merge(graphdef, state)(x, key, layer, rows, seq)
+
+    policy = cfg.remat_policy()
+    if policy is not None:
+      block = jax.checkpoint(block, policy=policy)
+    states = [nnx.state(b) for b in self.blocks]
+    if not cfg.scan_layers:
+      for layer, state in enumerate(states):
+        x = block(state, x, layer)
+      return x
+    # The stack is a copy of the blocks' params per step (its transpose slices
+    # the gradients apart); checkpoints and the rest keep one module per block.
+    stacked = jax.tree.map(lambda *p: jnp.stack(p), *states)
+    x, _ = jax.lax.scan(lambda x, sl: (block(sl[0], x, sl[1]), None), x,
+                        (stacked, jnp.arange(len(states))))
+    return x
 
   def kv_cache_heads(self) -> int:
     """kv heads each device's cache holds (its stored, padded kv heads)."""

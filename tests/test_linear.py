@@ -239,3 +239,46 @@ def test_inside_nnx_shard_map(meshes):
 
   x = random((8, 6))
   np.testing.assert_allclose(forward(mlp, x), ref(x), **F32)
+
+
+class SequenceParallelPair(nnx.Module):
+  """Column (gathers the sequence) -> GELU -> row (reduce-scatters it), Megatron-SP."""
+
+  def __init__(self, *, mesh=None):
+    if mesh is None:
+      self.up, self.down = nnx.Linear(6, 10, rngs=nnx.Rngs(0)), nnx.Linear(10, 6, rngs=nnx.Rngs(1))
+    else:
+      self.up = flax_tp.ColumnParallelDense(6, 10, mesh=mesh, gather_output=False,
+                                            sequence_parallel=True, rngs=nnx.Rngs(0))
+      self.down = flax_tp.RowParallelDense(10, 6, mesh=mesh, input_is_parallel=True,
+                                           sequence_parallel=True, rngs=nnx.Rngs(1))
+
+  def __call__(self, x):
+    return self.down(jax.nn.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("mesh_spec", ["1x3", "2x4"])
+def test_sequence_parallel_pair_inside_shard_map(meshes, mesh_spec):
+  """x [b, 7, d] split over the sequence (7 positions: uneven over 3 and 4 devices):
+  each device's output block and the gradients equal two nnx.Linear's."""
+  mesh = meshes[mesh_spec]
+  seq = flax_tp.ShardLayout(7, mesh.shape["model"])
+  pair, ref = SequenceParallelPair(mesh=mesh), SequenceParallelPair()
+  x = random((4, 7, 6))
+
+  def loss(module, x_block):  # sum over this device's real positions, then everywhere
+    out = module(x_block)
+    real = seq.local_mask(flax_tp.shard_index("model"))[:, None]
+    total = jnp.sum(jnp.where(real, jnp.sin(out), 0.0))
+    return flax_tp.all_reduce(flax_tp.all_reduce(total, "sum", "model"), "sum", "data")
+
+  value, grads = inside_shard_map(pair, loss, mesh, seq.pad(x, 1),
+                                  in_specs=[P("data", "model")])
+  ref_value, ref_grads = nnx.value_and_grad(lambda m, x: jnp.sum(jnp.sin(m(x))))(ref, x)
+  np.testing.assert_allclose(value, ref_value, **F32)
+  assert_state_close(grads, ref_grads)
+  blocks = jax.jit(jax.shard_map(
+      lambda s, x: nnx.merge(nnx.graphdef(pair), s)(x), mesh=mesh,
+      in_specs=(nnx.get_partition_spec(nnx.state(pair)), P("data", "model")),
+      out_specs=P("data", "model")))(nnx.state(pair), seq.pad(x, 1))
+  np.testing.assert_allclose(seq.unpad(blocks, 1), ref(x), **F32)

@@ -46,13 +46,28 @@ def test_same_losses_at_1x1_and_2x4(tmp_path, corpus):
   assert losses(one)[-1] < losses(one)[0]  # it trains
 
 
-def test_dropout_is_mesh_independent(tmp_path, corpus):
-  flags = ("--steps", "3", "--dropout", "0.2")
-  one = train(tmp_path, corpus, "d1", "--mesh", "1x1", *flags)
-  eight = train(tmp_path, corpus, "d8", "--mesh", "2x4", *flags)
-  np.testing.assert_allclose(losses(eight), losses(one), rtol=1e-5)
-  plain = train(tmp_path, corpus, "nodrop", "--mesh", "1x1", "--steps", "3")
-  assert abs(losses(one)[0] - losses(plain)[0]) > 1e-3  # dropout did change the loss
+# 13-token sequences (a multiple of neither 2, 4 nor 8), dropout on, 4 steps.
+DROPOUT_RUN = ["--seq-len", "13", "--dropout", "0.1", "--steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def dropout_runs(tmp_path_factory, corpus):
+  """Losses of the plain DROPOUT_RUN per mesh, each trained once for the whole module."""
+  cache = {}
+
+  def get(mesh_spec):
+    if mesh_spec not in cache:
+      cache[mesh_spec] = losses(train(tmp_path_factory.mktemp("plain"), corpus, "plain",
+                                      "--mesh", mesh_spec, *DROPOUT_RUN))
+    return cache[mesh_spec]
+  return get
+
+
+def test_dropout_is_mesh_independent(tmp_path, corpus, dropout_runs):
+  for spec in ("2x4", "1x8"):
+    np.testing.assert_allclose(dropout_runs(spec), dropout_runs("1x1"), rtol=1e-5)
+  plain = train(tmp_path, corpus, "nodrop", "--mesh", "1x1", *DROPOUT_RUN, "--dropout", "0")
+  assert abs(dropout_runs("1x1")[0] - losses(plain)[0]) > 1e-3  # dropout did change the loss
 
 
 def test_resume_after_interrupt_equals_uninterrupted(tmp_path, corpus):
@@ -165,3 +180,27 @@ def test_data_folder_and_split(tmp_path):
   again = corpus.batch("train", seed=3, step=7, batch_size=4, seq_len=16)
   assert first.shape == (4, 17) and (first == again).all()
   assert not (first == corpus.batch("train", seed=3, step=8, batch_size=4, seq_len=16)).all()
+
+
+OPTIONS = ["--sequence-parallel", "--remat", "dots_saveable", "--scan-layers"]
+
+
+@pytest.mark.parametrize("mesh_spec,options", [
+    ("1x2", OPTIONS), ("1x8", OPTIONS), ("2x4", OPTIONS), ("2x4", ["--sequence-parallel"]),
+    ("2x4", ["--remat", "block"]), ("2x4", ["--scan-layers"])])
+def test_memory_options_change_no_loss(tmp_path, corpus, dropout_runs, mesh_spec, options):
+  """Sequence parallelism, recomputation and scanned layers, each and together, give the
+  plain run's losses over 4 steps (uneven sequence, dropout on); on 1x8 the options'
+  checkpoint resumes without them."""
+  ck = tmp_path / "ck"
+  run = train(tmp_path, corpus, "options", "--mesh", mesh_spec, *DROPOUT_RUN, *options,
+              *(["--checkpoint-dir", str(ck), "--checkpoint-every", "2"]
+                if mesh_spec == "1x8" else []))
+  np.testing.assert_allclose(losses(run), dropout_runs(mesh_spec), rtol=2e-6)
+  if mesh_spec == "1x8":
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.copytree(ck / "2", moved / "2")
+    resumed = train(tmp_path, corpus, "resumed", "--mesh", mesh_spec, *DROPOUT_RUN,
+                    "--resume", "--checkpoint-dir", str(moved))
+    np.testing.assert_allclose(losses(resumed), dropout_runs(mesh_spec)[2:], rtol=2e-6)

@@ -94,15 +94,51 @@ def test_untied_head_bfloat16(meshes, dtype):
   np.testing.assert_allclose(loss, ref_losses[0], rtol=2e-2)
 
 
-def compiled_step_collectives(meshes, num_layers):
-  cfg = TransformerConfig.tiny(num_layers=num_layers)
+def compiled_step_collectives(meshes, num_layers, listed=False, **options):
+  cfg = TransformerConfig.tiny(num_layers=num_layers, **options)
   mesh = meshes["2x4"]
   trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)), tx())
   opt_state = trainer.init_opt_state(trainer.params)
   hlo = trainer.train_step.lower(trainer.params, opt_state,
                                  jax.device_put(TOKENS, trainer.batch_sharding),
                                  None).compile().as_text()
-  return tally(collectives(hlo, mesh))
+  found = collectives(hlo, mesh)
+  return found if listed else tally(found)
+
+
+def wire_bytes(c, parts):
+  """Bytes one device sends for a collective over ``parts`` devices (ring algorithms):
+  an all-reduce of N bytes 2 (M-1)/M N; an all-gather to N or a reduce-scatter from N,
+  (M-1)/M N each, so a reduce-scatter + all-gather pair moves what one all-reduce does."""
+  size = c.bytes * (parts if c.kind == "reduce-scatter" else 1)  # the whole array's bytes
+  return (2 if c.kind == "all-reduce" else 1) * (parts - 1) * size // parts
+
+
+def test_sequence_parallelism_communicates_like_megatron_sp(meshes):
+  """Every [b, s, d] all-reduce over "model" becomes a reduce-scatter and an
+  all-gather moving the same bytes (Megatron-SP's minimum, 1.00); what remains are the
+  loss's [b, s] reductions and the [d]-sized gradient sums of the norms and row biases,
+  which now see only this device's positions (Megatron-SP has the same)."""
+  cfg = TransformerConfig.tiny()
+  activation = ("f32", (TOKENS.shape[0] // 2, TOKENS.shape[1] - 1, cfg.d_model))
+  plain = compiled_step_collectives(meshes, 2, listed=True)
+  sp = compiled_step_collectives(meshes, 2, listed=True, sequence_parallel=True)
+  on_model = lambda found, kind: [c for c in found if c.axes == ("model",) and c.kind == kind]
+  replaced = [c for c in on_model(plain, "all-reduce") if activation in c.operands]
+  assert len(replaced) == 4 * cfg.num_layers + 2  # per block 2 forward + 2 backward; embed, head
+  assert not [c for c in on_model(sp, "all-reduce") if activation in c.operands]
+  gathers, scatters = on_model(sp, "all-gather"), on_model(sp, "reduce-scatter")
+  assert len(gathers) == len(scatters) == len(replaced)
+  parts = meshes["2x4"].shape["model"]
+  # (XLA packs one of them with a [b, s] reduction: count the activations alone.)
+  activation_bytes = 4 * int(np.prod(activation[1]))
+  replaced_bytes = len(replaced) * 2 * (parts - 1) * activation_bytes // parts
+  assert sum(wire_bytes(c, parts) for c in gathers + scatters) == replaced_bytes
+  assert {c.kind for c in sp if c.axes == ("model",)} == {"all-reduce", "all-gather",
+                                                           "reduce-scatter"}
+  leftover = [shape for c in on_model(sp, "all-reduce") for _, shape in c.operands if shape]
+  loss_rows = activation[1][:2]
+  assert all(shape in (loss_rows, (1, 1, cfg.d_model)) for shape in leftover), leftover
 
 
 def test_collectives_per_block(meshes):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -161,7 +160,7 @@ class Interrupts:
 def run_identity(args: argparse.Namespace, cfg: TransformerConfig,
                  corpus: TokenCorpus) -> dict[str, Any]:
   """What makes a run this run: a checkpoint of another is never resumed silently."""
-  return dict(config=dataclasses.asdict(cfg), seed=args.seed, batch_size=args.batch_size,
+  return dict(config=cfg.identity(), seed=args.seed, batch_size=args.batch_size,
               seq_len=args.seq_len, data=corpus.source, tokenizer=corpus.tokenizer.name,
               init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
               optimizer=dict(lr=args.lr, warmup_steps=args.warmup_steps,
@@ -212,7 +211,7 @@ def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
     notes.append("note: a checkpoint of flax_tp 0.1.0; only the model, seed, batch size and "
                  "sequence length could be checked against this run")
   if isinstance(saved.get("config"), dict):  # fields added since: their defaults
-    defaults = dataclasses.asdict(TransformerConfig())
+    defaults = TransformerConfig().identity()
     saved = {**saved, "config": {k: saved["config"].get(k, defaults[k]) for k in defaults}}
   differences = _differences(saved, identity)
   if differences:
@@ -261,7 +260,9 @@ def run(args: argparse.Namespace) -> int:
   if args.batch_size % data_size:
     raise UsageError(f"--batch-size {args.batch_size} is not divisible by the {data_size}-way "
                      f"data axis of --mesh {args.mesh}")
-  overrides = dict(max_seq_len=args.seq_len, dropout=args.dropout, dtype=args.dtype)
+  overrides = dict(max_seq_len=args.seq_len, dropout=args.dropout, dtype=args.dtype,
+                   sequence_parallel=args.sequence_parallel, remat=args.remat,
+                   scan_layers=args.scan_layers)
   tokenizer = None
   if args.init_from:
     cfg, tokenizer = hf_model_and_tokenizer(args.init_from, overrides)

@@ -21,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.config import TransformerConfig
+from models.config import REMAT_CHOICES, TransformerConfig
 from train import distributed as train_distributed
 from train.errors import RunError, UsageError
 
@@ -70,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
                  help="dropout rate; masks do not depend on the mesh")
   p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"],
                  help="compute dtype (params and optimizer state stay float32)")
+  p.add_argument("--sequence-parallel", action="store_true",
+                 help="Megatron sequence parallelism: activations between blocks split over "
+                      "the sequence on the model axis (less activation memory, same result)")
+  p.add_argument("--remat", default="none", choices=REMAT_CHOICES,
+                 help="recompute each block in the backward pass: 'block' saves nothing, "
+                      "or a jax.checkpoint_policies name")
+  p.add_argument("--scan-layers", action="store_true",
+                 help="run the blocks as one lax.scan: compile time stops growing with depth")
   p.add_argument("--seed", type=int, default=d["seed"],
                  help="seeds init, data order and dropout")
   p.add_argument("--data", default=None,
