@@ -256,3 +256,23 @@ def test_kv_gradient_sum_is_the_only_extra_collective(meshes):
           == per_block * LLAMA.num_layers)
   assert mha["all-reduce@model"]["tensors"] == 4 * LLAMA.num_layers + 5  # Megatron's count
   assert set(gqa) == set(mha) == {"all-reduce@model", "all-reduce@data"}, gqa
+
+
+def test_memory_options_with_replicated_kv_heads(meshes):
+  """Grouped-query attention with replicated kv heads (their custom gradient sum) under
+  sequence parallelism, block recomputation and scanned layers, with dropout: the
+  loss and every gradient equal the plain run's (15 positions: uneven over 4)."""
+  tokens = jax.random.randint(jax.random.key(2), (4, 16), 0, 259)
+
+  def loss_and_grads(**options):
+    cfg = TransformerConfig.preset("llama-tiny", dropout=0.1, **options)
+    trainer = Trainer(Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0)), tx())
+    return jax.jit(trainer.loss_and_grads)(trainer.params,
+                                           jax.device_put(tokens, trainer.batch_sharding),
+                                           jax.random.key(3))
+
+  plain_loss, plain_grads = loss_and_grads()
+  loss, grads = loss_and_grads(sequence_parallel=True, remat="block", scan_layers=True)
+  np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

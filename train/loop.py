@@ -315,9 +315,13 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"processes: {jax.process_count()} x {jax.local_device_count()} devices; the "
                   f"model axis {'stays inside' if local_rows else 'spans'} a process")
   origin = f"from {args.init_from}" if args.init_from else f"preset {args.preset or 'small'}"
+  options = [name for name, on in (("sequence parallel", cfg.sequence_parallel),
+                                   (f"remat {cfg.remat}", cfg.remat != "none"),
+                                   ("scanned layers", cfg.scan_layers)) if on]
   console.print(f"model: {origin}, {summary['params']:,} params | per device: "
                 f"sharded {_mib(summary['sharded_bytes_per_device'])}, replicated "
-                f"{_mib(summary['replicated_bytes_per_device'])}")
+                f"{_mib(summary['replicated_bytes_per_device'])}"
+                + (f" | {', '.join(options)}" if options else ""))
   console.print(f"data: {corpus.describe()} | unigram entropy {corpus.unigram_entropy():.3f} "
                 f"nats | batch {args.batch_size} x {args.seq_len} tokens")
   for note in notes:

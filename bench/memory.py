@@ -1,0 +1,157 @@
+"""Activation memory, compile time and step time of sequence parallelism, recomputation
+and scanned layers.
+
+    python -m bench.memory                      # all three sections (several minutes)
+    python -m bench.memory --sections step --preset tiny --repeats 1    # a smoke run
+
+Sections:
+- memory: the ``llama-350m`` preset's train step on ``2x4`` compiled from abstract
+  inputs (nothing is allocated or run); XLA's memory analysis gives each device's
+  temporary bytes (activations saved for backward and every other intermediate)
+  for plain / SP / SP + remat / SP + remat + scan, at each ``--seqs`` length;
+- compile: seconds to compile the step at depths 2, 8 and 24 (``--compile-preset``
+  width) with and without ``--scan-layers``;
+- step: median step time of each option on this CPU, as a ratio to the plain run
+  (``--step-preset``, interleaved repeats).
+Prints one JSON object (and writes it to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+OPTIONS = {
+    "plain": {},
+    "sp": dict(sequence_parallel=True),
+    "sp+remat": dict(sequence_parallel=True, remat="block"),
+    "sp+remat+scan": dict(sequence_parallel=True, remat="block", scan_layers=True),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--sections", default="memory,compile,step")
+  p.add_argument("--preset", default="llama-350m", help="model of the memory section")
+  p.add_argument("--mesh", default="2x4")
+  p.add_argument("--seqs", default="1024,2048", help="sequence lengths of the memory section")
+  p.add_argument("--batch", type=int, default=8, help="global batch (memory and step)")
+  p.add_argument("--compile-preset", default="llama-125m")
+  p.add_argument("--depths", default="2,8,24")
+  p.add_argument("--step-preset", default="small")
+  p.add_argument("--step-seq", type=int, default=128)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--out", default=None)
+  return p.parse_args(argv)
+
+
+def abstract_step(cfg, mesh, batch: int, seq: int):
+  """The compiled train step of ``cfg`` from abstract params and batch (no arrays)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import NamedSharding
+
+  from models.transformer import Transformer
+  from train.step import Trainer, make_optimizer
+  model = nnx.eval_shape(lambda: Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+  trainer = Trainer(model, make_optimizer(lr=1e-3, steps=10))
+  specs = nnx.get_partition_spec(trainer.params)
+  params = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), trainer.params, specs)
+  # The optimizer state's shardings as XLA propagates them from the params.
+  init = jax.jit(trainer.tx.init).lower(params).compile()
+  replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+  opt_state = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=sharding if isinstance(sharding, NamedSharding) else replicated),
+      jax.eval_shape(trainer.tx.init, params), init.output_shardings)
+  tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=trainer.batch_sharding)
+  start = time.perf_counter()
+  compiled = trainer.train_step.lower(params, opt_state, tokens, None).compile()
+  return compiled, time.perf_counter() - start
+
+
+def memory_section(args, log) -> list[dict]:
+  import flax_tp
+  from models.config import TransformerConfig
+  mesh = flax_tp.make_mesh(args.mesh)
+  rows = []
+  for seq in (int(s) for s in args.seqs.split(",")):
+    for name, options in OPTIONS.items():
+      cfg = TransformerConfig.preset(args.preset, max_seq_len=seq, **options)
+      compiled, seconds = abstract_step(cfg, mesh, args.batch, seq)
+      stats = compiled.memory_analysis()
+      row = dict(seq=seq, options=name, temp_bytes=stats.temp_size_in_bytes,
+                 argument_bytes=stats.argument_size_in_bytes, compile_s=seconds)
+      rows.append(row)
+      log(f"memory {args.preset} {args.mesh} seq {seq} {name}: temp "
+          f"{row['temp_bytes'] / 2**30:.2f} GiB per device")
+  return rows
+
+
+def compile_section(args, log) -> list[dict]:
+  import flax_tp
+  from models.config import TransformerConfig
+  mesh = flax_tp.make_mesh(args.mesh)
+  rows = []
+  for depth in (int(d) for d in args.depths.split(",")):
+    for scan in (False, True):
+      cfg = TransformerConfig.preset(args.compile_preset, num_layers=depth, max_seq_len=128,
+                                     scan_layers=scan)
+      _, seconds = abstract_step(cfg, mesh, args.batch, 128)
+      rows.append(dict(layers=depth, scan_layers=scan, compile_s=seconds))
+      log(f"compile {args.compile_preset} x{depth} scan={scan}: {seconds:.1f} s")
+  return rows
+
+
+def step_section(args, log) -> dict:
+  import numpy as np
+
+  import flax_tp
+  from bench.run import flax_tp_contender, interleaved_medians
+  from models.config import TransformerConfig
+  from train.step import make_optimizer
+  mesh = flax_tp.make_mesh(args.mesh)
+  tokens = np.random.default_rng(0).integers(0, 256, (args.batch, args.step_seq + 1),
+                                             dtype=np.int32)
+  contenders = {}
+  for name, options in {**OPTIONS, "remat": dict(remat="block"),
+                        "scan": dict(scan_layers=True)}.items():
+    cfg = TransformerConfig.preset(args.step_preset, max_seq_len=args.step_seq, **options)
+    _, contenders[name], _ = flax_tp_contender(cfg, mesh, tokens, make_optimizer(lr=1e-3,
+                                                                                 steps=10))
+  medians = interleaved_medians(contenders, args.repeats)
+  ratios = {name: medians[name] / medians["plain"] for name in medians}
+  for name, ratio in ratios.items():
+    log(f"step {args.step_preset} {args.mesh} {name}: {medians[name] * 1e3:.1f} ms "
+        f"({ratio:.2f}x plain)")
+  return dict(step_s=medians, ratio=ratios)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  import jax
+  log = lambda line: print(line, file=sys.stderr, flush=True)
+  sections = args.sections.split(",")
+  results = {"jax": jax.__version__, "mesh": args.mesh, "batch": args.batch}
+  if "memory" in sections:
+    results["memory"] = memory_section(args, log)
+  if "compile" in sections:
+    results["compile"] = compile_section(args, log)
+  if "step" in sections:
+    results["step"] = step_section(args, log)
+  print(json.dumps(results, indent=1))
+  if args.out:
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
