@@ -27,7 +27,8 @@ def test_help_documents_every_flag():
                "--warmup-steps", "--weight-decay", "--grad-clip", "--dropout", "--dtype",
                "--seed", "--data", "--eval-every", "--checkpoint-dir", "--checkpoint-every",
                "--resume", "--metrics-file", "--sample-prompt", "--overwrite",
-               "--keep-checkpoints", "--init-from", "llama-125m"):
+               "--keep-checkpoints", "--init-from", "llama-125m", "--sequence-parallel",
+               "--remat", "--scan-layers"):
     assert flag in out.stdout
 
 
