@@ -12,7 +12,9 @@ Sections:
 - compile: seconds to compile the step at depths 2, 8 and 24 (``--compile-preset``
   width) with and without ``--scan-layers``;
 - step: median step time of each option on this CPU, as a ratio to the plain run
-  (``--step-preset``, interleaved repeats).
+  (``--step-preset``, interleaved repeats);
+- probe: ``jax.checkpoint`` on a plain chain of dense layers, without flax_tp,
+  unrolled and scanned (what XLA's backend does with recomputation by itself).
 Prints one JSON object (and writes it to ``--out``).
 """
 
@@ -37,7 +39,7 @@ OPTIONS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--sections", default="memory,compile,step")
+  p.add_argument("--sections", default="memory,compile,step,probe")
   p.add_argument("--preset", default="llama-350m", help="model of the memory section")
   p.add_argument("--mesh", default="2x4")
   p.add_argument("--seqs", default="1024,2048", help="sequence lengths of the memory section")
@@ -134,6 +136,40 @@ def step_section(args, log) -> dict:
   return dict(step_s=medians, ratio=ratios)
 
 
+def probe_section(log) -> list[dict]:
+  """jax.checkpoint on a plain chain of 24 dense layers ([2048, 1024] float32), no
+  flax_tp at all: does XLA's analysis show recomputation saving memory, unrolled and
+  scanned?"""
+  import jax
+  import jax.numpy as jnp
+  layers, rows, width = 24, 2048, 1024
+
+  def layer(w, x):
+    return jnp.tanh(jnp.tanh(x @ w) @ w.T) + x
+
+  def loss(ws, x, remat, scan):
+    f = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable) if remat \
+        else layer
+    if scan:
+      x, _ = jax.lax.scan(lambda x, w: (f(w, x), None), x, ws)
+    else:
+      for i in range(layers):
+        x = f(ws[i], x)
+    return jnp.sum(x ** 2)
+
+  ws = jax.ShapeDtypeStruct((layers, width, width), jnp.float32)
+  x = jax.ShapeDtypeStruct((rows, width), jnp.float32)
+  out = []
+  for remat in (False, True):
+    for scan in (False, True):
+      compiled = jax.jit(jax.grad(lambda w, x, r=remat, s=scan: loss(w, x, r, s))).lower(
+          ws, x).compile()
+      out.append(dict(remat=remat, scan=scan,
+                      temp_bytes=compiled.memory_analysis().temp_size_in_bytes))
+      log(f"probe remat={remat} scan={scan}: temp {out[-1]['temp_bytes'] / 2**20:.0f} MiB")
+  return out
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -147,6 +183,8 @@ def main(argv=None) -> int:
     results["compile"] = compile_section(args, log)
   if "step" in sections:
     results["step"] = step_section(args, log)
+  if "probe" in sections:
+    results["probe"] = probe_section(log)
   print(json.dumps(results, indent=1))
   if args.out:
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
