@@ -356,3 +356,18 @@ def test_checkpoints_of_the_previous_version_still_resume(tmp_path, corpus, caps
                     if "loss" in r])
   assert len(resumed[0]) == 2 and resumed[0] == resumed[1]
   assert "checkpoint of flax_tp 0.1.0" in capsys.readouterr().out
+
+
+def test_a_token_cache_of_another_version_is_rebuilt(tmp_path):
+  """A report missing a field (written by an older flax_tp) is a cache miss, not a crash."""
+  source = tmp_path / "a.py"
+  source.write_text("x = 1\n" * 50)
+  cache = tmp_path / "cache"
+  corpus = TokenCorpus.load(str(source), seq_len=8, cache=cache)
+  (report,) = cache.glob("tokens-*.json")
+  old = json.loads(report.read_text())
+  del old["token_counts"]
+  report.write_text(json.dumps(old))
+  again = TokenCorpus.load(str(source), seq_len=8, cache=cache)
+  assert again.unigram_entropy() == corpus.unigram_entropy()
+  assert "token_counts" in json.loads(report.read_text())

@@ -228,6 +228,10 @@ def _skipped(report: dict[str, Any]) -> str:
   return ", ".join(parts)
 
 
+# What a token file's report holds (``tokenize_to_file``'s fields and the fingerprint).
+REPORT_FIELDS = ("files", "tokens", "binary", "unreadable", "token_counts", "fingerprint")
+
+
 def _cached_tokens(files: list[Path], key: str, tokenizer, cache: Path,
                    show_progress: bool) -> tuple[Path, dict[str, Any]]:
   """The token file for ``files`` (built on a miss) and its report."""
@@ -236,9 +240,12 @@ def _cached_tokens(files: list[Path], key: str, tokenizer, cache: Path,
   try:
     report = json.loads(report_path.read_text(encoding="utf-8"))
     size = report["tokens"] * tokenizer.dtype.itemsize
-    if report.get("fingerprint") == key and tokens_path.stat().st_size == size:
+    # A report written by another version of this code, or cut short, is a miss:
+    # the tokens are built again rather than trusted.
+    complete = all(field in report for field in REPORT_FIELDS)
+    if complete and report.get("fingerprint") == key and tokens_path.stat().st_size == size:
       return tokens_path, report
-  except (OSError, ValueError, KeyError, AttributeError):
+  except (OSError, ValueError, KeyError, AttributeError, TypeError):
     pass
   cache.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tokens-", suffix=".tmp")
