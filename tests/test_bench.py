@@ -43,3 +43,14 @@ def test_decode_bench_smoke(tmp_path):
   # holds two slots (kv heads 0, 0-1, 1, 1), four times an even split's half head.
   assert results["cache"]["1x2"]["ratio_to_even_split"] == 1.0
   assert results["cache"]["1x4"]["ratio_to_even_split"] == 4.0
+
+
+def test_memory_bench_smoke(tmp_path):
+  from bench.memory import main as memory_main
+  out = tmp_path / "memory.json"
+  assert memory_main(["--sections", "memory", "--preset", "llama-tiny", "--seqs", "16",
+                      "--mesh", "1x2", "--out", str(out)]) == 0
+  results = json.loads(out.read_text())
+  assert [r["options"] for r in results["memory"]] == ["plain", "sp", "sp+remat",
+                                                      "sp+remat+scan"]
+  assert all(r["temp_bytes"] > 0 and r["argument_bytes"] > 0 for r in results["memory"])
