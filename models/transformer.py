@@ -82,6 +82,35 @@ def _dropout(x, key, rate, rows, seq=None):
   return ops.apply_keep(x, seq.block(keep), rate)
 
 
+def _recompute_in_backward(f, state, x, key, rows):
+  """``f(state, x, key, rows)`` keeping only its inputs for the backward pass, which
+  recomputes it there: ``jax.checkpoint`` with nothing saved, made to hold on XLA's CPU
+  backend in an unrolled loop.
+
+  There ``jax.checkpoint``'s recomputation is merged back into the forward pass
+  (its optimization barriers are gone before common-subexpression elimination),
+  so it saves nothing (BENCHMARKS.md §10). Here the recomputation's input carries
+  a zero computed from the incoming cotangent: it can neither be merged with the
+  forward nor run before the gradient of its own block arrives.
+  """
+  @jax.custom_vjp
+  def run(state, x, key, rows):
+    return f(state, x, key, rows)
+
+  def forward(state, x, key, rows):
+    return f(state, x, key, rows), (state, x, key, rows)
+
+  def backward(saved, cotangent):
+    state, x, key, rows = saved
+    # nan_to_num: a non-finite cotangent must not turn the zero into NaN.
+    zero = jnp.nan_to_num(cotangent.reshape(-1)[0].astype(jnp.float32) * 0.0)
+    _, vjp = jax.vjp(lambda s, x: f(s, x, key, rows), state, x + zero.astype(x.dtype))
+    return (*vjp(cotangent), None, None)
+
+  run.defvjp(forward, backward)
+  return run(state, x, key, rows)
+
+
 class ParallelAttention(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
     width = cfg.num_heads * cfg.head_dim
@@ -307,13 +336,20 @@ class Transformer(nnx.Module):
       return nnx.merge(graphdef, state)(x, key, layer, rows, seq)
 
     policy = cfg.remat_policy()
-    if policy is not None:
-      block = jax.checkpoint(block, policy=policy)
     states = [nnx.state(b) for b in self.blocks]
     if not cfg.scan_layers:
       for layer, state in enumerate(states):
-        x = block(state, x, layer)
+        if cfg.remat == "block":
+          x = _recompute_in_backward(
+              lambda s, x, k, r, layer=layer: nnx.merge(graphdef, s)(x, k, layer, r, seq),
+              state, x, key, rows)
+        elif policy is not None:
+          x = jax.checkpoint(block, policy=policy, static_argnums=(2,))(state, x, layer)
+        else:
+          x = block(state, x, layer)
       return x
+    if policy is not None:
+      block = jax.checkpoint(block, policy=policy)
     # The stack is a copy of the blocks' params per step (its transpose slices
     # the gradients apart); checkpoints and the rest keep one module per block.
     stacked = jax.tree.map(lambda *p: jnp.stack(p), *states)

@@ -48,9 +48,13 @@ def test_decode_bench_smoke(tmp_path):
 def test_memory_bench_smoke(tmp_path):
   from bench.memory import main as memory_main
   out = tmp_path / "memory.json"
-  assert memory_main(["--sections", "memory", "--preset", "llama-tiny", "--seqs", "16",
+  assert memory_main(["--sections", "memory", "--preset", "llama-tiny", "--seqs", "64",
                       "--mesh", "1x2", "--out", str(out)]) == 0
   results = json.loads(out.read_text())
   assert [r["options"] for r in results["memory"]] == ["plain", "sp", "sp+remat",
                                                       "sp+remat+scan"]
-  assert all(r["temp_bytes"] > 0 and r["argument_bytes"] > 0 for r in results["memory"])
+  temp = {r["options"]: r["temp_bytes"] for r in results["memory"]}
+  # Each option lowers XLA's figure; recomputation does so unrolled too (BENCHMARKS §10).
+  assert temp["plain"] > temp["sp"] > 0
+  assert temp["sp+remat"] < 0.75 * temp["sp"]  # jax.checkpoint alone gave ~0.96 here
+  assert temp["sp+remat+scan"] < temp["sp"]

@@ -258,10 +258,12 @@ def test_kv_gradient_sum_is_the_only_extra_collective(meshes):
   assert set(gqa) == set(mha) == {"all-reduce@model", "all-reduce@data"}, gqa
 
 
-def test_memory_options_with_replicated_kv_heads(meshes):
+@pytest.mark.parametrize("scan", [False, True])
+def test_memory_options_with_replicated_kv_heads(meshes, scan):
   """Grouped-query attention with replicated kv heads (their custom gradient sum) under
-  sequence parallelism, block recomputation and scanned layers, with dropout: the
-  loss and every gradient equal the plain run's (15 positions: uneven over 4)."""
+  sequence parallelism and block recomputation (unrolled: flax_tp's own recomputing
+  VJP; scanned: jax.checkpoint), with dropout: the loss and every gradient equal the
+  plain run's (15 positions: uneven over 4)."""
   tokens = jax.random.randint(jax.random.key(2), (4, 16), 0, 259)
 
   def loss_and_grads(**options):
@@ -272,7 +274,7 @@ def test_memory_options_with_replicated_kv_heads(meshes):
                                            jax.random.key(3))
 
   plain_loss, plain_grads = loss_and_grads()
-  loss, grads = loss_and_grads(sequence_parallel=True, remat="block", scan_layers=True)
+  loss, grads = loss_and_grads(sequence_parallel=True, remat="block", scan_layers=scan)
   np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
