@@ -142,6 +142,8 @@ def probe_section(log) -> list[dict]:
   scanned?"""
   import jax
   import jax.numpy as jnp
+
+  from models.transformer import _recompute_in_backward
   layers, rows, width = 24, 2048, 1024
 
   def layer(w, x):
@@ -150,6 +152,8 @@ def probe_section(log) -> list[dict]:
   def loss(ws, x, remat, scan):
     f = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable) if remat \
         else layer
+    if remat == "flax_tp":  # models/transformer.py's recomputing VJP
+      f = lambda w, x: _recompute_in_backward(lambda w, x, k, r: layer(w, x), w, x, None, None)
     if scan:
       x, _ = jax.lax.scan(lambda x, w: (f(w, x), None), x, ws)
     else:
@@ -160,13 +164,13 @@ def probe_section(log) -> list[dict]:
   ws = jax.ShapeDtypeStruct((layers, width, width), jnp.float32)
   x = jax.ShapeDtypeStruct((rows, width), jnp.float32)
   out = []
-  for remat in (False, True):
-    for scan in (False, True):
-      compiled = jax.jit(jax.grad(lambda w, x, r=remat, s=scan: loss(w, x, r, s))).lower(
-          ws, x).compile()
-      out.append(dict(remat=remat, scan=scan,
-                      temp_bytes=compiled.memory_analysis().temp_size_in_bytes))
-      log(f"probe remat={remat} scan={scan}: temp {out[-1]['temp_bytes'] / 2**20:.0f} MiB")
+  for remat, scan in ((False, False), (True, False), ("flax_tp", False), (False, True),
+                      (True, True)):
+    compiled = jax.jit(jax.grad(lambda w, x, r=remat, s=scan: loss(w, x, r, s))).lower(
+        ws, x).compile()
+    out.append(dict(remat=remat, scan=scan,
+                    temp_bytes=compiled.memory_analysis().temp_size_in_bytes))
+    log(f"probe remat={remat} scan={scan}: temp {out[-1]['temp_bytes'] / 2**20:.0f} MiB")
   return out
 
 

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "the sequence on the model axis (less activation memory, same result)")
   p.add_argument("--remat", default="none", choices=REMAT_CHOICES,
                  help="recompute each block in the backward pass: 'block' saves nothing, "
-                      "or a jax.checkpoint_policies name (pair it with --scan-layers)")
+                      "or a jax.checkpoint_policies name (on CPU, with --scan-layers)")
   p.add_argument("--scan-layers", action="store_true",
                  help="run the blocks as one lax.scan: compile time stops growing with depth")
   p.add_argument("--seed", type=int, default=d["seed"],
