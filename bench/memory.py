@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--preset", default="llama-350m", help="model of the memory section")
   p.add_argument("--mesh", default="2x4")
   p.add_argument("--seqs", default="1024,2048", help="sequence lengths of the memory section")
+  p.add_argument("--options", default=",".join(OPTIONS),
+                 help="the option sets of the memory section")
   p.add_argument("--batch", type=int, default=8, help="global batch (memory and step)")
   p.add_argument("--compile-preset", default="llama-125m")
   p.add_argument("--depths", default="2,8,24")
@@ -85,8 +87,8 @@ def memory_section(args, log) -> list[dict]:
   mesh = flax_tp.make_mesh(args.mesh)
   rows = []
   for seq in (int(s) for s in args.seqs.split(",")):
-    for name, options in OPTIONS.items():
-      cfg = TransformerConfig.preset(args.preset, max_seq_len=seq, **options)
+    for name in args.options.split(","):
+      cfg = TransformerConfig.preset(args.preset, max_seq_len=seq, **OPTIONS[name])
       compiled, seconds = abstract_step(cfg, mesh, args.batch, seq)
       stats = compiled.memory_analysis()
       row = dict(seq=seq, options=name, temp_bytes=stats.temp_size_in_bytes,

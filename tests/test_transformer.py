@@ -258,23 +258,34 @@ def test_kv_gradient_sum_is_the_only_extra_collective(meshes):
   assert set(gqa) == set(mha) == {"all-reduce@model", "all-reduce@data"}, gqa
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_memory_options_with_replicated_kv_heads(meshes, scan):
-  """Grouped-query attention with replicated kv heads (their custom gradient sum) under
-  sequence parallelism and block recomputation (unrolled: flax_tp's own recomputing
-  VJP; scanned: jax.checkpoint), with dropout: the loss and every gradient equal the
-  plain run's (15 positions: uneven over 4)."""
-  tokens = jax.random.randint(jax.random.key(2), (4, 16), 0, 259)
+MEMORY_TOKENS = jax.random.randint(jax.random.key(2), (4, 16), 0, 259)
 
-  def loss_and_grads(**options):
-    cfg = TransformerConfig.preset("llama-tiny", dropout=0.1, **options)
-    trainer = Trainer(Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0)), tx())
-    return jax.jit(trainer.loss_and_grads)(trainer.params,
-                                           jax.device_put(tokens, trainer.batch_sharding),
-                                           jax.random.key(3))
 
-  plain_loss, plain_grads = loss_and_grads()
-  loss, grads = loss_and_grads(sequence_parallel=True, remat="block", scan_layers=scan)
+def gqa_loss_and_grads(meshes, **options):
+  cfg = TransformerConfig.preset("llama-tiny", dropout=0.1, **options)
+  trainer = Trainer(Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0)), tx())
+  return jax.jit(trainer.loss_and_grads)(trainer.params,
+                                         jax.device_put(MEMORY_TOKENS, trainer.batch_sharding),
+                                         jax.random.key(3))
+
+
+@pytest.fixture(scope="module")
+def gqa_plain(meshes):
+  return gqa_loss_and_grads(meshes)
+
+
+@pytest.mark.parametrize("options", [
+    dict(sequence_parallel=True), dict(remat="block"), dict(scan_layers=True),
+    dict(sequence_parallel=True, remat="block"),
+    dict(sequence_parallel=True, remat="block", scan_layers=True)],
+    ids=["sp", "remat", "scan", "sp+remat", "sp+remat+scan"])
+def test_memory_options_with_replicated_kv_heads(meshes, gqa_plain, options):
+  """Grouped-query attention with replicated kv heads (their custom gradient sum), each
+  option alone and together, with dropout: the loss and every gradient equal the plain
+  run's (15 positions: uneven over 4). Unrolled recomputation is flax_tp's own VJP,
+  scanned it is jax.checkpoint."""
+  plain_loss, plain_grads = gqa_plain
+  loss, grads = gqa_loss_and_grads(meshes, **options)
   np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
