@@ -30,14 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from train.errors import RunError, UsageError
-from train.run import (
-    INT_MAX,
-    MAX_SIMULATED_DEVICES,
-    SEED_LIMIT,
-    _Parser,
-    one_line,
-    provide_cpu_devices,
-)
+from train.run import INT_MAX, SEED_LIMIT, _Parser, one_line, provide_mesh_devices
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,15 +218,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     args = build_parser().parse_args(argv)
     check_args(args)
-    from flax_tp.mesh import parse_mesh_spec
-    try:
-      data, model = parse_mesh_spec(args.mesh)
-    except ValueError as err:
-      raise UsageError(str(err)) from None
-    if data * model > MAX_SIMULATED_DEVICES and not os.environ.get("XLA_FLAGS"):
-      raise UsageError(f"--mesh {args.mesh} needs {data * model:,} devices; at most "
-                       f"{MAX_SIMULATED_DEVICES} can be simulated on a CPU")
-    provide_cpu_devices(data * model)
+    provide_mesh_devices(args.mesh)
     try:
       return run(args)
     except (UsageError, RunError):

@@ -205,24 +205,28 @@ def provide_cpu_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
+def provide_mesh_devices(mesh: str, processes: int = 1) -> None:
+  """Checks ``--mesh`` (UsageError) and provides this process's share of its CPU devices."""
+  from flax_tp.mesh import parse_mesh_spec
+  try:
+    data, model = parse_mesh_spec(mesh)
+  except ValueError as err:
+    raise UsageError(str(err)) from None
+  if (data * model) % processes:
+    raise UsageError(f"--mesh {mesh} has {data * model} devices, which "
+                     f"{processes} processes cannot share evenly")
+  if data * model // processes > MAX_SIMULATED_DEVICES and not os.environ.get("XLA_FLAGS"):
+    raise UsageError(f"--mesh {mesh} needs {data * model:,} devices; at most "
+                     f"{MAX_SIMULATED_DEVICES} per process can be simulated on a CPU")
+  provide_cpu_devices(data * model // processes)
+
+
 def main(argv: list[str] | None = None) -> int:
   try:
     args = build_parser().parse_args(argv)
     check_args(args)
-    from flax_tp.mesh import parse_mesh_spec
-    try:
-      data, model = parse_mesh_spec(args.mesh)
-    except ValueError as err:
-      raise UsageError(str(err)) from None
     distributed = train_distributed.from_args(args)
-    processes = (distributed.num_processes or 1) if distributed else 1
-    if (data * model) % processes:
-      raise UsageError(f"--mesh {args.mesh} has {data * model} devices, which "
-                       f"{processes} processes cannot share evenly")
-    if data * model // processes > MAX_SIMULATED_DEVICES and not os.environ.get("XLA_FLAGS"):
-      raise UsageError(f"--mesh {args.mesh} needs {data * model:,} devices; at most "
-                       f"{MAX_SIMULATED_DEVICES} per process can be simulated on a CPU")
-    provide_cpu_devices(data * model // processes)
+    provide_mesh_devices(args.mesh, (distributed.num_processes or 1) if distributed else 1)
     if distributed:
       train_distributed.silence_native_stdout()
       train_distributed.initialize(distributed, timeout_s=args.init_timeout,
