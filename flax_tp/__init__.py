@@ -15,7 +15,13 @@ from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
 from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, make_mesh, parse_mesh_spec
 from flax_tp.partition import KVHeadLayout, ShardLayout, split_tensor_for_parallelism
 from flax_tp.sampling import vocab_parallel_sample
-from flax_tp.state import load_unsharded, place_on_mesh, replicate_on_mesh, unshard
+from flax_tp.state import (
+    load_unsharded,
+    place_on_mesh,
+    replicate_on_mesh,
+    stack_layers,
+    unshard,
+)
 
 __all__ = [
     "all_gather",
@@ -39,6 +45,7 @@ __all__ = [
     "shard_index",
     "ShardLayout",
     "split_tensor_for_parallelism",
+    "stack_layers",
     "unshard",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_sample",

@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from flax_tp.partition import ShardLayout
+from flax_tp.state import layer_path, stacked_layers, stored_like
 
 FORMAT = "flax_tp/sharded-1"
 BARRIER_TIMEOUT_S = 600
@@ -60,16 +61,15 @@ def _is_leaf(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
+def _part(entry: Any) -> Any:
+  for attr in ("key", "idx", "name"):
+    if hasattr(entry, attr):
+      return getattr(entry, attr)
+  return entry
+
+
 def _key(path: tuple) -> str:
-  parts = []
-  for entry in path:
-    for attr in ("key", "idx", "name"):
-      if hasattr(entry, attr):
-        parts.append(str(getattr(entry, attr)))
-        break
-    else:
-      parts.append(str(entry))
-  return ".".join(parts)
+  return ".".join(str(_part(entry)) for entry in path)
 
 
 def _flat(trees: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -79,6 +79,16 @@ def _flat(trees: dict[str, Any]) -> list[tuple[str, Any]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
     out += [(f"{name}.{_key(path)}" if path else name, leaf) for path, leaf in flat]
   return out
+
+
+def _saved_keys(key: str, leaf: Any) -> list[str] | None:
+  """The per-layer keys a stacked param (``flax_tp.state.stack_layers``) is saved
+  under, so stacked and unstacked models share checkpoints; None for any other leaf."""
+  if stacked_layers(leaf) is None:
+    return None
+  parts = tuple(key.split("."))
+  return [".".join(str(p) for p in layer_path(parts, leaf, i))
+          for i in range(stacked_layers(leaf))]
 
 
 def _layout_of(leaf: Any) -> tuple[ShardLayout | None, int | None]:
@@ -170,32 +180,45 @@ class _Snapshot:
     if copy:  # on device: the next step may donate (delete) the originals
       values = _copy_on_device(values)
     self.table: dict[str, dict[str, Any]] = {}
-    self.shards: list[tuple] = []  # (key, data, index, layout, dim, stored shape)
+    # (keys, data, index, layout, dim, stored shape); ``keys`` is one key, or one
+    # per layer of a stacked param (its leading axis).
+    self.shards: list[tuple] = []
     for (key, leaf), value in zip(flat, values, strict=True):
       layout, dim = _layout_of(leaf)
-      self.table[key] = {"shape": list(_logical_shape(leaf)),
-                         "dtype": jnp.dtype(value.dtype).name}
+      shape, dtype = list(_logical_shape(leaf)), jnp.dtype(value.dtype).name
+      layer_keys = _saved_keys(key, leaf)
+      for k in layer_keys or [key]:
+        self.table[k] = {"shape": shape[1:] if layer_keys else shape, "dtype": dtype}
+      keys = layer_keys or key
       if isinstance(value, jax.Array):
         for shard in value.addressable_shards:
           if shard.replica_id == 0:
-            self.shards.append((key, shard.data, shard.index, layout, dim, value.shape))
+            self.shards.append((keys, shard.data, shard.index, layout, dim, value.shape))
       elif jax.process_index() == 0:  # a host value: the same on every process
         value = np.asarray(value)
-        self.shards.append((key, value, (slice(None),) * value.ndim, None, None, value.shape))
+        self.shards.append((keys, value, (slice(None),) * value.ndim, layout, dim, value.shape))
 
   def write(self, folder: Path) -> None:
     """Streams the pieces into ``shards.P.bin`` (one block in host memory at a time)."""
     process = jax.process_index()
     index = []
     with open(folder / f"shards.{process}.bin", "wb") as out:
-      for key, data, where, layout, dim, shape in self.shards:
+      for keys, data, where, layout, dim, shape in self.shards:
         block = np.asarray(data)
-        for sl, start, box in _boxes(where, shape, layout, dim, first_copies=True):
-          if math.prod(box) == 0:
-            continue
-          index.append([key, list(start), list(box), out.tell()])
-          out.write(np.ascontiguousarray(block[sl]).tobytes())
-        del block
+        if isinstance(keys, str):
+          parts = [(keys, block, where, shape, dim)]
+        else:  # a stacked param: each layer of the block is its own param's piece
+          first = where[0].indices(shape[0])[0]
+          parts = [(keys[first + i], block[i], where[1:], shape[1:],
+                    None if dim is None else dim - 1) for i in range(block.shape[0])]
+        for key, layer_block, layer_where, layer_shape, layer_dim in parts:
+          for sl, start, box in _boxes(layer_where, layer_shape, layout, layer_dim,
+                                       first_copies=True):
+            if math.prod(box) == 0:
+              continue
+            index.append([key, list(start), list(box), out.tell()])
+            out.write(np.ascontiguousarray(layer_block[sl]).tobytes())
+        del block, parts
       out.flush()
       os.fsync(out.fileno())
     _write_json(folder / f"index.{process}.json", index)
@@ -376,7 +399,7 @@ class Checkpointer:
     record = self._record(step)
     pieces = _Pieces(self.directory / str(step), record, step)
     flat = _flat(like)
-    keys = [key for key, _ in flat]
+    keys = [k for key, leaf in flat for k in _saved_keys(key, leaf) or [key]]
     missing = sorted(set(keys) - set(record["arrays"]))
     # Trees not asked for (the optimizer state, when only params are wanted) are skipped.
     unexpected = sorted(k for k in set(record["arrays"]) - set(keys)
@@ -443,20 +466,32 @@ class _Pieces:
     target = _value(leaf)
     layout, dim = _layout_of(leaf)
     expected = _logical_shape(leaf)
-    saved = tuple(self.table[key]["shape"])
-    if saved != expected:
-      raise CheckpointError(f"checkpoint param {key!r}: got shape {saved}, expected {expected} "
-                            "(was it saved from another config?)")
+    layer_keys = _saved_keys(key, leaf)
+    for k in layer_keys or [key]:
+      saved = tuple(self.table[k]["shape"])
+      want = expected[1:] if layer_keys else expected
+      if saved != want:
+        raise CheckpointError(f"checkpoint param {k!r}: got shape {saved}, expected {want} "
+                              "(was it saved from another config?)")
+
+    def block(where: tuple[slice, ...], shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+      if not layer_keys:
+        return self._block(key, where, shape, layout, dim, dtype)
+      # A stacked param: its layers are separate params on disk.
+      layer_dim = None if dim is None else dim - 1
+      first, stop = where[0].indices(shape[0])[:2]
+      return np.stack([self._block(layer_keys[i], where[1:], shape[1:], layout, layer_dim,
+                                   dtype) for i in range(first, stop)])
+
     if not isinstance(target, jax.Array):
-      return self._block(key, (slice(None),) * len(expected), expected, None, None,
-                         np.dtype(np.asarray(target).dtype))
+      return block((slice(None),) * len(expected), expected, np.dtype(np.asarray(target).dtype))
     blocks: dict[tuple, np.ndarray] = {}
     arrays = []
     for device, index in target.sharding.addressable_devices_indices_map(target.shape).items():
       where = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, target.shape, strict=True))
       marker = tuple((s.start, s.stop) for s in where)
       if marker not in blocks:  # replicas of one block are read once
-        blocks[marker] = self._block(key, where, target.shape, layout, dim, target.dtype)
+        blocks[marker] = block(where, target.shape, target.dtype)
       arrays.append(jax.device_put(blocks[marker], device))
     blocks.clear()
     value = jax.make_array_from_single_device_arrays(target.shape, target.sharding, arrays)
@@ -512,20 +547,23 @@ def _legacy_read(directory: Path, step: int, with_state: bool) -> tuple[dict, di
 
 def _from_logical(state: dict, name: str, like: Any, step: int) -> Any:
   """``like`` with each leaf replaced by its whole logical value, padded and sharded."""
-  from flax_tp.state import stored_like
   if name not in state:
     raise CheckpointError(f"checkpoint step {step} lacks {name!r}")
   logical = state[name]
   flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_leaf)
   keys = [_key(path) for path, _ in flat]
-  if set(keys) != set(logical):
+  wanted = [k for key, (_, leaf) in zip(keys, flat, strict=True)
+            for k in _saved_keys(key, leaf) or [key]]
+  if set(wanted) != set(logical):
     raise CheckpointError(f"checkpoint step {step} does not match the model: missing "
-                          f"{sorted(set(keys) - set(logical))[:5]}, unexpected "
-                          f"{sorted(set(logical) - set(keys))[:5]}")
+                          f"{sorted(set(wanted) - set(logical))[:5]}, unexpected "
+                          f"{sorted(set(logical) - set(wanted))[:5]}")
   leaves = []
   for key, (_, leaf) in zip(keys, flat, strict=True):
+    layer_keys = _saved_keys(key, leaf)
     try:
-      value = stored_like(leaf, logical[key], repr(key))
+      value = stored_like(leaf, np.stack([logical[k] for k in layer_keys])
+                          if layer_keys else logical[key], repr(key))
     except ValueError as err:
       raise CheckpointError(f"checkpoint {err} (was it saved from another config?)") from None
     leaves.append(leaf.replace(value) if isinstance(leaf, nnx.Variable) else value)

@@ -8,11 +8,17 @@ stored (padded) form, sharded over the mesh's model axis, with metadata:
 - ``mesh``: the mesh it lives on;
 - ``tp_layout`` / ``tp_dim``: the ``ShardLayout`` of its split dimension, so that
   ``unshard`` can strip the padding. Absent on replicated parameters.
+- ``tp_layers`` / ``tp_layer_at``: only on a param that holds the same param of
+  several layers stacked on a new leading axis (``stack_layers``): how many, and
+  where the layer number goes in its per-layer path. ``unshard``,
+  ``load_unsharded`` and checkpoints name and store such a param as one param per
+  layer, so stacked and unstacked models share names and checkpoints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -168,9 +174,9 @@ def stored_like(leaf: nnx.Variable | jax.Array, logical: Any, name: Any = "") ->
   return place(value, target.sharding) if isinstance(target, jax.Array) else value
 
 
-def _unshard_variable(var: nnx.Variable) -> nnx.Variable:
+def _plain_variable(var: nnx.Variable, value: np.ndarray) -> nnx.Variable:
   # On the default device, off the mesh: a plain Flax module can use it directly.
-  value = jnp.asarray(logical_value(var))
+  value = jnp.asarray(value)
   return nnx.Param(value) if isinstance(var, nnx.Param) else type(var)(value)
 
 
@@ -180,11 +186,21 @@ def unshard(module_or_state: nnx.Module | nnx.State) -> nnx.State:
   Returns an ``nnx.State`` of plain ``nnx.Param``s holding the whole values (no
   padding, no sharding metadata), so that
   ``nnx.update(flax_module, unshard(parallel_module))`` works. Accepts a module
-  (its ``nnx.Param`` state is taken) or a state.
+  (its ``nnx.Param`` state is taken) or a state. A stacked param
+  (``stack_layers``) becomes one param per layer, at its per-layer path.
   """
   state = (nnx.state(module_or_state, nnx.Param)
            if isinstance(module_or_state, nnx.Module) else module_or_state)
-  return jax.tree.map(_unshard_variable, state, is_leaf=_is_param)
+  flat = []
+  for path, var in nnx.to_flat_state(state):
+    value = logical_value(var)
+    layers = stacked_layers(var)
+    if layers is None:
+      flat.append((path, _plain_variable(var, value)))
+    else:
+      flat += [(layer_path(path, var, i), _plain_variable(var, value[i]))
+               for i in range(layers)]
+  return nnx.from_flat_state(flat)
 
 
 def load_unsharded(module: nnx.Module, source: nnx.Module | nnx.State) -> None:
@@ -195,15 +211,106 @@ def load_unsharded(module: nnx.Module, source: nnx.Module | nnx.State) -> None:
   padded and sharded like the parameter it replaces.
   """
   dense = nnx.state(source, nnx.Param) if isinstance(source, nnx.Module) else source
-  target = nnx.state(module, nnx.Param)
-  target_paths = dict(nnx.to_flat_state(target))
   dense_paths = dict(nnx.to_flat_state(dense))
-  if set(target_paths) != set(dense_paths):
-    missing = sorted(set(target_paths) - set(dense_paths))
-    extra = sorted(set(dense_paths) - set(target_paths))
+  targets = nnx.to_flat_state(nnx.state(module, nnx.Param))
+  wanted = {p: path for path, var in targets for p in per_layer_paths(path, var)}
+  if set(wanted) != set(dense_paths):
+    missing = sorted(set(wanted) - set(dense_paths))
+    extra = sorted(set(dense_paths) - set(wanted))
     raise ValueError(f"param names differ: missing {missing}, unexpected {extra}")
-  for path, var in target_paths.items():
-    var[...] = stored_like(var, dense_paths[path][...], path)
+  for path, var in targets:
+    if stacked_layers(var) is None:
+      var[...] = stored_like(var, dense_paths[path][...], path)
+    else:
+      for layer, p in enumerate(per_layer_paths(path, var)):
+        set_layer(var, layer, dense_paths[p][...], p)
+
+
+# -- layers stacked on a leading axis (scanned models) ---------------------------
+
+def stacked_layers(var: Any) -> int | None:
+  """How many layers a stacked param holds; None for an ordinary param."""
+  return var.get_metadata().get("tp_layers") if isinstance(var, nnx.Variable) else None
+
+
+def layer_path(path: tuple, var: nnx.Variable, layer: int) -> tuple:
+  """The per-layer path of layer ``layer`` of the stacked param ``var`` at ``path``.
+
+  ``path`` may carry any prefix (``("params", ...)``, an optimizer state's
+  ``(0, "mu", ...)``): the layer number goes before the param's path inside the
+  stacked module, which is counted from the end.
+  """
+  at = len(path) + var.get_metadata()["tp_layer_at"]
+  return tuple(path[:at]) + (layer,) + tuple(path[at:])
+
+
+def per_layer_paths(path: tuple, var: Any) -> list[tuple]:
+  """``[path]`` for an ordinary param; each layer's path for a stacked one."""
+  layers = stacked_layers(var)
+  return [path] if layers is None else [layer_path(path, var, i) for i in range(layers)]
+
+
+@functools.cache
+def _stacker(sharding: NamedSharding) -> Callable[..., jax.Array]:
+  return jax.jit(lambda *values: jnp.stack(values), out_shardings=sharding)
+
+
+def stack_layers(modules: Sequence[nnx.Module]) -> nnx.Module:
+  """One module whose params hold ``modules``' params stacked on a new leading axis.
+
+  ``modules`` have one structure and live on one mesh (every param carries its
+  ``mesh`` and ``out_sharding``, as parallel layers' and ``replicate_on_mesh``'s
+  do). The first module is reused: each of its params becomes ``[layers, ...]``,
+  its spec gains a leading ``None`` and its split dim moves by one. A
+  ``jax.lax.scan`` over the stacked state then runs the layers in order, and the
+  optimizer sees one array per kind of param, not one per layer.
+  Returns the first module.
+  """
+  if not modules:
+    raise ValueError("stack_layers needs at least one module")
+  flats = [dict(nnx.to_flat_state(nnx.state(m, nnx.Param))) for m in modules]
+  for path, var in flats[0].items():
+    meta = var.get_metadata()
+    if "mesh" not in meta or "out_sharding" not in meta:
+      raise ValueError(f"param {path} is not on a mesh (see replicate_on_mesh)")
+    if "tp_layers" in meta:
+      raise ValueError(f"param {path} is already stacked")
+    names = (None,) + tuple(meta["out_sharding"])
+    var.set_value(_stacker(NamedSharding(meta["mesh"], P(*names)))(
+        *[flat[path][...] for flat in flats]))
+    updates: dict[str, Any] = dict(out_sharding=names, tp_layers=len(modules),
+                                   tp_layer_at=-len(path))
+    if "tp_dim" in meta:
+      updates["tp_dim"] = meta["tp_dim"] + 1
+    var.set_metadata(**updates)
+  return modules[0]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _update_layer(stacked: jax.Array, value: jax.Array, layer: jax.Array) -> jax.Array:
+  return jax.lax.dynamic_update_index_in_dim(stacked, value.astype(stacked.dtype), layer, 0)
+
+
+def set_layer(var: nnx.Variable, layer: int, logical: Any, name: Any = "") -> None:
+  """Sets layer ``layer`` of the stacked param ``var`` to ``logical`` (its whole,
+  unpadded per-layer value), in place; the host holds one layer's value.
+
+  ``ValueError`` naming ``name`` on a shape that does not fit.
+  """
+  meta = var.get_metadata()
+  stacked = var[...]
+  expected = list(stacked.shape[1:])
+  layout, dim = meta.get("tp_layout"), meta.get("tp_dim")
+  if layout is not None:
+    expected[dim - 1] = layout.size
+  value = np.asarray(logical).astype(stacked.dtype)
+  if list(value.shape) != expected:
+    raise ValueError(
+        f"param {name}: got shape {tuple(value.shape)}, expected {tuple(expected)}")
+  if layout is not None:
+    value = layout.pad(value, dim - 1)
+  sharding = NamedSharding(meta["mesh"], P(*meta["out_sharding"][1:]))
+  var.set_value(_update_layer(stacked, place(value, sharding), jnp.int32(layer)))
 
 
 def masked(param: jax.Array, layout: ShardLayout, dim: int, axis_name: str) -> jax.Array:

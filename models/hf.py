@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import flax_tp
-from flax_tp.state import stored_like
+from flax_tp.state import per_layer_paths, set_layer, stacked_layers, stored_like
 from models.config import TransformerConfig
 from models.transformer import Transformer
 
@@ -186,12 +186,19 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0, **overrides) -> Tran
   cfg = read_config(directory, **overrides)
   tensors = _Tensors(directory)
   model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed))
-  params = nnx.state(model, nnx.Param)
+  # Each flax_tp param path -> (its param, layer of a stacked param or None).
+  targets = {layer_path: (var, None if stacked_layers(var) is None else layer)
+             for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+             for layer, layer_path in enumerate(per_layer_paths(path, var))}
   used = set()
   for flax_path, name, transposed in _names(cfg):
     value = tensors.get(name)
-    var = _at(params, flax_path)
-    var[...] = stored_like(var, value.T if transposed else value, name)
+    value = value.T if transposed else value
+    var, layer = targets[flax_path]
+    if layer is None:
+      var[...] = stored_like(var, value, name)
+    else:
+      set_layer(var, layer, value, name)
     used.add(name)
   unused = sorted(set(tensors.files) - used - {"lm_head.weight"})
   if unused:  # a tensor this architecture does not have: not the model it claims

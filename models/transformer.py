@@ -299,6 +299,11 @@ class Transformer(nnx.Module):
                                               gather_output=False, mesh=mesh,
                                               dtype=cfg.compute_dtype, rngs=rngs)
     flax_tp.replicate_on_mesh(self, mesh)  # the norms
+    if cfg.scan_layers:
+      # One module holding every block's params stacked [num_layers, ...]: the
+      # scan reads them in place and the optimizer sees one array per kind of
+      # param. Initialised per block first, so the values do not depend on it.
+      self.blocks = flax_tp.stack_layers(list(self.blocks))
     self.cfg = cfg
     self.mesh = mesh
 
@@ -330,36 +335,48 @@ class Transformer(nnx.Module):
     """The blocks in order: a Python loop, or one ``lax.scan`` over their stacked
     params (``scan_layers``); each block recomputed in backward under ``remat``."""
     cfg = self.cfg
+    policy = cfg.remat_policy()
+    if cfg.scan_layers:
+      graphdef, stacked = nnx.split(self.blocks)
+
+      def block(state, x, layer):
+        return nnx.merge(graphdef, state)(x, key, layer, rows, seq)
+
+      if policy is not None:
+        block = jax.checkpoint(block, policy=policy)
+      x, _ = jax.lax.scan(lambda x, sl: (block(sl[0], x, sl[1]), None), x,
+                          (stacked, jnp.arange(cfg.num_layers)))
+      return x
     graphdef = nnx.graphdef(self.blocks[0])  # every block has the same structure
 
     def block(state, x, layer):
       return nnx.merge(graphdef, state)(x, key, layer, rows, seq)
 
-    policy = cfg.remat_policy()
-    states = [nnx.state(b) for b in self.blocks]
-    if not cfg.scan_layers:
-      for layer, state in enumerate(states):
-        if cfg.remat == "block":
-          x = _recompute_in_backward(
-              lambda s, x, k, r, layer=layer: nnx.merge(graphdef, s)(x, k, layer, r, seq),
-              state, x, key, rows)
-        elif policy is not None:
-          x = jax.checkpoint(block, policy=policy, static_argnums=(2,))(state, x, layer)
-        else:
-          x = block(state, x, layer)
-      return x
-    if policy is not None:
-      block = jax.checkpoint(block, policy=policy)
-    # The stack is a copy of the blocks' params per step (its transpose slices
-    # the gradients apart); checkpoints and the rest keep one module per block.
-    stacked = jax.tree.map(lambda *p: jnp.stack(p), *states)
-    x, _ = jax.lax.scan(lambda x, sl: (block(sl[0], x, sl[1]), None), x,
-                        (stacked, jnp.arange(len(states))))
+    for layer, b in enumerate(self.blocks):
+      state = nnx.state(b)
+      if cfg.remat == "block":
+        x = _recompute_in_backward(
+            lambda s, x, k, r, layer=layer: nnx.merge(graphdef, s)(x, k, layer, r, seq),
+            state, x, key, rows)
+      elif policy is not None:
+        x = jax.checkpoint(block, policy=policy, static_argnums=(2,))(state, x, layer)
+      else:
+        x = block(state, x, layer)
     return x
+
+  def _each_block(self):
+    """The blocks one by one (a stacked model's as views of one layer's params)."""
+    if not self.cfg.scan_layers:
+      yield from self.blocks
+      return
+    graphdef, stacked = nnx.split(self.blocks)
+    for layer in range(self.cfg.num_layers):
+      yield nnx.merge(graphdef, jax.tree.map(lambda p, i=layer: p[i], stacked))
 
   def kv_cache_heads(self) -> int:
     """kv heads each device's cache holds (its stored, padded kv heads)."""
-    return self.blocks[0].attn.k.layout.padded_size // self.cfg.head_dim
+    first = self.blocks if self.cfg.scan_layers else self.blocks[0]
+    return first.attn.k.layout.padded_size // self.cfg.head_dim
 
   def extend(self, tokens_bs, cache, positions_bs, last_b):
     """Inside ``shard_map``: new tokens through the model with a KV cache.
@@ -372,7 +389,7 @@ class Transformer(nnx.Module):
     """
     x = self.embed(tokens_bs)
     new_cache = []
-    for block, layer_cache in zip(self.blocks, cache, strict=True):
+    for block, layer_cache in zip(self._each_block(), cache, strict=True):
       x, layer_cache = block.extend(x, layer_cache, positions_bs)
       new_cache.append(layer_cache)
     # The final norm and the head only for the position whose logits are wanted.

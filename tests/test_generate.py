@@ -21,14 +21,16 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 PROMPTS = [[5, 17, 200, 3, 9, 44, 12, 250, 1], [7, 8, 9, 60]]  # lengths 9 and 4
 
 
-@pytest.mark.parametrize("name,mesh_spec", [
-    ("llama", "1x1"), ("llama", "1x3"), ("llama", "1x8"), ("llama", "2x4"), ("qwen2", "1x3")])
-def test_greedy_equals_transformers_generate(meshes, name, mesh_spec):
+@pytest.mark.parametrize("name,mesh_spec,options", [
+    ("llama", "1x1", {}), ("llama", "1x3", {}), ("llama", "1x8", {}), ("llama", "2x4", {}),
+    ("qwen2", "1x3", dict(scan_layers=True, sequence_parallel=True))])
+def test_greedy_equals_transformers_generate(meshes, name, mesh_spec, options):
   """transformers' generate(do_sample=False) on each prompt alone (stored by
-  make_fixtures.py) equals one batched call with prompts of different lengths."""
+  make_fixtures.py) equals one batched call with prompts of different lengths.
+  A model set up for training's memory options (stacked blocks, SP) decodes too."""
   expected = np.load(FIXTURES / name / "generate.npz")
   ids = np.load(FIXTURES / name / "expected.npz")["ids"]
-  model = load_hf(FIXTURES / name, meshes[mesh_spec])
+  model = load_hf(FIXTURES / name, meshes[mesh_spec], **options)
   eos = int(expected["eos_id"])
   out = generate(model, ids, lengths=expected["lengths"], max_new_tokens=16,
                  eos_id=None if eos < 0 else eos)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import F32, assert_padding_zero, assert_state_close, random
+from jax.sharding import PartitionSpec as P
 
 import flax_tp
 
@@ -68,3 +69,52 @@ def test_unshard_a_state_and_random_input(meshes):
   ref = nnx.Linear(10, 3, rngs=nnx.Rngs(0))
   assert_state_close(dense, ref, rtol=0, atol=0)
   np.testing.assert_allclose(layer(random((2, 10))), ref(random((2, 10))), **F32)
+
+
+class Blocks(nnx.Module):
+  """Three ``Block``s in a list, or stacked on a leading axis (``flax_tp.stack_layers``)."""
+
+  def __init__(self, *, mesh=None, stacked=False, rngs):
+    blocks = [Block(mesh=mesh, rngs=rngs) for _ in range(3)]
+    self.blocks = flax_tp.stack_layers(blocks) if stacked else nnx.List(blocks)
+
+
+@pytest.mark.parametrize("mesh_spec", ["1x3", "2x4"])
+def test_stacked_layers_are_one_param_per_layer_outside(meshes, mesh_spec, tmp_path):
+  """A stacked param is ``[layers, ...]`` on the mesh, but ``unshard``,
+  ``load_unsharded`` and checkpoints see each layer's param at its per-layer path,
+  so stacked and unstacked modules exchange params and checkpoints (any mesh)."""
+  from flax_tp.checkpoint import Checkpointer
+  mesh = meshes[mesh_spec]
+  stacked = Blocks(mesh=mesh, stacked=True, rngs=nnx.Rngs(0))
+  listed = Blocks(mesh=mesh, rngs=nnx.Rngs(0))
+  kernel = stacked.blocks.up.kernel
+  assert kernel[...].shape == (3, 6, listed.blocks[0].up.kernel[...].shape[1])
+  assert kernel[...].sharding.spec == P(None, None, "model")
+  assert assert_padding_zero(stacked) >= 3
+  # Same init, whatever the storage.
+  assert_state_close(stacked, flax_tp.unshard(listed), rtol=0, atol=0)
+
+  flax_module = Blocks(rngs=nnx.Rngs(7))
+  flax_tp.load_unsharded(stacked, flax_module)
+  assert_state_close(stacked, flax_module, rtol=0, atol=0)
+  assert kernel[...].sharding.spec == P(None, None, "model")
+
+  checkpoints = Checkpointer(tmp_path)
+  checkpoints.save(1, {"params": nnx.state(stacked, nnx.Param)}, {})
+  restored_listed = Blocks(mesh=meshes["1x8"], rngs=nnx.Rngs(3))
+  trees, _ = checkpoints.restore({"params": nnx.state(restored_listed, nnx.Param)})
+  nnx.update(restored_listed, trees["params"])
+  assert_state_close(restored_listed, flax_module, rtol=0, atol=0)
+
+  checkpoints.save(2, {"params": nnx.state(restored_listed, nnx.Param)}, {})
+  restored_stacked = Blocks(mesh=mesh, stacked=True, rngs=nnx.Rngs(5))
+  trees, _ = checkpoints.restore({"params": nnx.state(restored_stacked, nnx.Param)})
+  nnx.update(restored_stacked, trees["params"])
+  assert_state_close(restored_stacked, flax_module, rtol=0, atol=0)
+  assert assert_padding_zero(restored_stacked) >= 3
+
+
+def test_stack_layers_needs_params_on_a_mesh(meshes):
+  with pytest.raises(ValueError, match=r"param \('(bias|kernel)',\) is not on a mesh"):
+    flax_tp.stack_layers([nnx.Linear(2, 3, rngs=nnx.Rngs(0)) for _ in range(2)])

@@ -283,9 +283,33 @@ def test_memory_options_with_replicated_kv_heads(meshes, gqa_plain, options):
   """Grouped-query attention with replicated kv heads (their custom gradient sum), each
   option alone and together, with dropout: the loss and every gradient equal the plain
   run's (15 positions: uneven over 4). Unrolled recomputation is flax_tp's own VJP,
-  scanned it is jax.checkpoint."""
+  scanned it is jax.checkpoint; scanned blocks' params (and gradients) are stored
+  stacked, compared per layer."""
   plain_loss, plain_grads = gqa_plain
   loss, grads = gqa_loss_and_grads(meshes, **options)
   np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  per_layer = dict(nnx.to_flat_state(flax_tp.unshard(grads)))
+  expected = dict(nnx.to_flat_state(flax_tp.unshard(plain_grads)))
+  assert per_layer.keys() == expected.keys()
+  for path, grad in expected.items():
+    np.testing.assert_allclose(per_layer[path][...], grad[...], rtol=1e-5, atol=1e-7,
+                               err_msg=str(path))
+
+
+def lowered_step_lines(meshes, **options) -> int:
+  """Lines of the train step's StableHLO program (lowered, not compiled)."""
+  cfg = TransformerConfig.preset("llama-tiny", **options)
+  trainer = Trainer(Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0)), tx())
+  tokens = jax.ShapeDtypeStruct((4, 17), jnp.int32, sharding=trainer.batch_sharding)
+  lowered = trainer.train_step.lower(trainer.params, trainer.init_opt_state(trainer.params),
+                                     tokens, None)
+  return lowered.as_text().count("\n")
+
+
+def test_scanned_train_step_does_not_grow_with_depth(meshes):
+  """Stacked blocks: forward, backward and the optimizer each see one array per kind
+  of param, so the program XLA compiles is the same size at any depth (unrolled, it
+  grows with every block)."""
+  scanned = lowered_step_lines(meshes, num_layers=2, scan_layers=True)
+  assert lowered_step_lines(meshes, num_layers=5, scan_layers=True) == scanned
+  assert lowered_step_lines(meshes, num_layers=5) > 2 * scanned

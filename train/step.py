@@ -27,14 +27,29 @@ import flax_tp
 from models.transformer import Transformer
 
 
+def _is_matrix(param: Any) -> Any:
+  """Whether weight decay applies: matrices (kernels, embeddings), not biases or norms.
+
+  A stacked param's leading layer axis (``--scan-layers``) does not count, so the
+  same params decay whether the blocks are stacked or not.
+  """
+  if not isinstance(param, nnx.Variable):
+    return param.ndim >= 2
+  layers = flax_tp.state.stacked_layers(param)
+  return param.replace(param[...].ndim - (layers is not None) >= 2)
+
+
+def _decay_mask(params: Any) -> Any:
+  return jax.tree.map(_is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def make_optimizer(*, lr: float, steps: int, warmup_steps: int = 0, weight_decay: float = 0.1,
                    grad_clip: float = 1.0) -> optax.GradientTransformation:
   """AdamW with linear warm-up and cosine decay to 10%; no decay on biases or norms."""
   warmup_steps = min(warmup_steps, max(steps - 1, 0))
   schedule = optax.warmup_cosine_decay_schedule(
       0.0 if warmup_steps else lr, lr, warmup_steps, max(steps, warmup_steps + 1), lr * 0.1)
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask)
+  adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=_decay_mask)
   return optax.chain(optax.clip_by_global_norm(grad_clip), adamw) if grad_clip > 0 else adamw
 
 
