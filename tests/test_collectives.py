@@ -20,7 +20,7 @@ WEIGHT = jax.random.normal(jax.random.key(1), (2, 6))
 
 def sharded(fn, mesh, out_specs=P()):
   """``fn`` on row blocks of ``x`` (one per model device), replicated over data."""
-  return jax.shard_map(fn, mesh=mesh, in_specs=P("model"), out_specs=out_specs)
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("model"), out_specs=out_specs))
 
 
 @pytest.mark.parametrize("op,ref", [("sum", jnp.sum), ("mean", jnp.mean), ("max", jnp.max),
@@ -58,8 +58,8 @@ def test_all_gather(mesh):
 
 
 def test_all_gather_inner_axis(mesh):
-  f = jax.shard_map(lambda b: flax_tp.all_gather(b, axis=-1), mesh=mesh,
-                    in_specs=P(None, "model"), out_specs=P())
+  f = jax.jit(jax.shard_map(lambda b: flax_tp.all_gather(b, axis=-1), mesh=mesh,
+                            in_specs=P(None, "model"), out_specs=P()))
   y = jnp.arange(16.0).reshape(2, 8)
   np.testing.assert_array_equal(f(y), y)
 
@@ -69,8 +69,8 @@ def test_reduce_scatter(mesh):
   stack = jax.random.normal(jax.random.key(3), (4, 8, 6))
 
   def par(s):
-    f = jax.shard_map(lambda b: flax_tp.reduce_scatter(b[0], axis=0), mesh=mesh,
-                      in_specs=P("model"), out_specs=P("model"))
+    f = jax.jit(jax.shard_map(lambda b: flax_tp.reduce_scatter(b[0], axis=0), mesh=mesh,
+                              in_specs=P("model"), out_specs=P("model")))
     return f(s)
 
   np.testing.assert_allclose(par(stack), stack.sum(0), rtol=1e-5)

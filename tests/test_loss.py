@@ -25,10 +25,10 @@ def optax_loss(logits, smoothing, z_loss):
 
 def sharded_loss(mesh, smoothing, z_loss):
   layout = flax_tp.ShardLayout(VOCAB, mesh.shape["model"])
-  per_device = jax.shard_map(
+  per_device = jax.jit(jax.shard_map(
       lambda lg, lb: flax_tp.vocab_parallel_cross_entropy(
           lg, lb, vocab_size=VOCAB, label_smoothing=smoothing, z_loss=z_loss),
-      mesh=mesh, in_specs=(P("data", None, "model"), P("data")), out_specs=P("data"))
+      mesh=mesh, in_specs=(P("data", None, "model"), P("data")), out_specs=P("data")))
   return lambda logits: per_device(layout.pad(logits, -1), LABELS)
 
 
@@ -52,10 +52,10 @@ def test_padded_columns_never_enter_softmax(meshes):
   mesh = meshes["2x4"]
   layout = flax_tp.ShardLayout(VOCAB, 4)
   padded = jnp.where(jnp.asarray(layout.valid_mask()), layout.pad(LOGITS, -1), 1e4)
-  loss = jax.shard_map(
+  loss = jax.jit(jax.shard_map(
       lambda lg, lb: flax_tp.vocab_parallel_cross_entropy(lg, lb, vocab_size=VOCAB,
                                                           label_smoothing=0.1),
-      mesh=mesh, in_specs=(P(None, None, "model"), P()), out_specs=P())(padded, LABELS)
+      mesh=mesh, in_specs=(P(None, None, "model"), P()), out_specs=P()))(padded, LABELS)
   np.testing.assert_allclose(loss, optax_loss(LOGITS, 0.1, 0.0), rtol=1e-6)
 
 

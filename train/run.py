@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="recompute each block in the backward pass: 'block' saves nothing, "
                       "or a jax.checkpoint_policies name (on CPU, with --scan-layers)")
   p.add_argument("--scan-layers", action="store_true",
-                 help="run the blocks as one lax.scan: compile time stops growing with depth")
+                 help="store the blocks stacked and run them as one lax.scan: compile time stops "
+                      "growing with depth (checkpoints stay per layer)")
   p.add_argument("--seed", type=int, default=d["seed"],
                  help="seeds init, data order and dropout")
   p.add_argument("--data", default=None,
