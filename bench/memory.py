@@ -35,6 +35,13 @@ OPTIONS = {
     "sp+remat": dict(sequence_parallel=True, remat="block"),
     "sp+remat+scan": dict(sequence_parallel=True, remat="block", scan_layers=True),
 }
+# Further combinations the memory section measures when ``--options`` names them.
+MORE_OPTIONS = {
+    "remat": dict(remat="block"),
+    "scan": dict(scan_layers=True),
+    "sp+scan": dict(sequence_parallel=True, scan_layers=True),
+    "remat+scan": dict(remat="block", scan_layers=True),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--mesh", default="2x4")
   p.add_argument("--seqs", default="1024,2048", help="sequence lengths of the memory section")
   p.add_argument("--options", default=",".join(OPTIONS),
-                 help="the option sets of the memory section")
+                 help="the option sets of the memory section: "
+                      f"{', '.join({**OPTIONS, **MORE_OPTIONS})}")
   p.add_argument("--batch", type=int, default=8, help="global batch (memory and step)")
   p.add_argument("--compile-preset", default="llama-125m")
   p.add_argument("--depths", default="2,8,24")
@@ -88,7 +96,7 @@ def memory_section(args, log) -> list[dict]:
   rows = []
   for seq in (int(s) for s in args.seqs.split(",")):
     for name in args.options.split(","):
-      cfg = TransformerConfig.preset(args.preset, max_seq_len=seq, **OPTIONS[name])
+      cfg = TransformerConfig.preset(args.preset, max_seq_len=seq, **{**OPTIONS, **MORE_OPTIONS}[name])
       compiled, seconds = abstract_step(cfg, mesh, args.batch, seq)
       stats = compiled.memory_analysis()
       row = dict(seq=seq, options=name, temp_bytes=stats.temp_size_in_bytes,
@@ -125,8 +133,8 @@ def step_section(args, log) -> dict:
   tokens = np.random.default_rng(0).integers(0, 256, (args.batch, args.step_seq + 1),
                                              dtype=np.int32)
   contenders = {}
-  for name, options in {**OPTIONS, "remat": dict(remat="block"),
-                        "scan": dict(scan_layers=True)}.items():
+  for name, options in {**OPTIONS, "remat": MORE_OPTIONS["remat"],
+                        "scan": MORE_OPTIONS["scan"]}.items():
     cfg = TransformerConfig.preset(args.step_preset, max_seq_len=args.step_seq, **options)
     _, contenders[name], _ = flax_tp_contender(cfg, mesh, tokens, make_optimizer(lr=1e-3,
                                                                                  steps=10))
