@@ -4,6 +4,9 @@
   Megatron-style partition specs as ``nnx.Param`` sharding metadata, the params
   placed with ``nnx.get_named_sharding``, and XLA's partitioner inserting every
   collective inside one ``jax.jit``.
+- ``gspmd_fused``: the same with one fused q/k/v projection per block, laid out
+  per kv head as ``[q heads of its group | k | v]`` so that splitting its outputs
+  over the model axis splits whole groups (what a GPT written for GSPMD does).
 - ``data_parallel``: the reference model replicated, batch split over all devices.
 - ``single``: the reference model on one device, plain ``jax.jit``.
 """
@@ -19,6 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from models import ops
 from models.config import TransformerConfig
 from models.reference import ReferenceTransformer, reference_loss
 
@@ -29,6 +33,7 @@ _RULES = {
     ("q", "kernel"): (None, "model"), ("k", "kernel"): (None, "model"),
     ("v", "kernel"): (None, "model"), ("q", "bias"): ("model",), ("k", "bias"): ("model",),
     ("v", "bias"): ("model",), ("o", "kernel"): ("model", None),
+    ("qkv", "kernel"): (None, "model"), ("qkv", "bias"): ("model",),
     ("up", "kernel"): (None, "model"), ("up", "bias"): ("model",),
     ("down", "kernel"): ("model", None), ("head", "kernel"): (None, "model"),
 }
@@ -57,13 +62,66 @@ def make_step(graphdef, tx) -> Callable:
   return step
 
 
+class FusedQKVAttention(nnx.Module):
+  """The reference attention with one ``[d, hkv * (group + 2) * head_dim]`` projection.
+
+  Per kv head its group's query heads, then its key, then its value: the output
+  dimension splits over the model axis by whole groups when the axis divides
+  the kv heads, so the partitioner needs no communication before attention.
+  """
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    group = cfg.num_heads // cfg.kv_heads
+    dense = dict(dtype=cfg.compute_dtype, rngs=rngs)
+    self.qkv = nnx.Linear(cfg.d_model, cfg.kv_heads * (group + 2) * cfg.head_dim,
+                          use_bias=cfg.qkv_bias, **dense)
+    self.o = nnx.Linear(cfg.num_heads * cfg.head_dim, cfg.d_model,
+                        use_bias=cfg.attn_out_bias, **dense)
+    self.cfg = cfg
+
+  def __call__(self, x_bsd, key, layer):
+    cfg = self.cfg
+    b, s, _ = x_bsd.shape
+    group = cfg.num_heads // cfg.kv_heads
+    qkv = self.qkv(x_bsd).reshape(b, s, cfg.kv_heads, group + 2, cfg.head_dim)
+    q = qkv[:, :, :, :group].reshape(b, s, cfg.num_heads, cfg.head_dim)
+    k, v = qkv[:, :, :, group], qkv[:, :, :, group + 1]
+    q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
+                               rate=cfg.dropout, rows=jnp.arange(b),
+                               heads=jnp.arange(cfg.num_heads))
+    return self.o(out.reshape(b, s, -1))
+
+
+def fused_qkv_reference(cfg: TransformerConfig, rngs: nnx.Rngs) -> ReferenceTransformer:
+  """The reference model with each block's attention a ``FusedQKVAttention`` holding
+  the same q, k and v weights: the same function, one projection."""
+  model = ReferenceTransformer(cfg, rngs=rngs)
+  group, hd = cfg.num_heads // cfg.kv_heads, cfg.head_dim
+  for block in model.blocks:
+    fused = FusedQKVAttention(cfg, rngs=nnx.Rngs(0))
+    names = ("kernel", "bias") if cfg.qkv_bias else ("kernel",)
+    for name in names:
+      q, k, v = (getattr(getattr(block.attn, p), name)[...] for p in "qkv")
+      lead = q.shape[:-1]
+      packed = jnp.concatenate([q.reshape(*lead, cfg.kv_heads, group, hd),
+                                k.reshape(*lead, cfg.kv_heads, 1, hd),
+                                v.reshape(*lead, cfg.kv_heads, 1, hd)], axis=-2)
+      getattr(fused.qkv, name)[...] = packed.reshape(*lead, -1)
+    fused.o = block.attn.o
+    block.attn = fused
+  return model
+
+
 class Peer:
   """A compiled reference step with its params, optimizer state and batch sharding."""
 
   def __init__(self, name: str, cfg: TransformerConfig, tx, mesh: Mesh | None,
-               spec_fn: Callable[[tuple, int], tuple] | None, seed: int = 0):
+               spec_fn: Callable[[tuple, int], tuple] | None, seed: int = 0,
+               build: Callable[..., nnx.Module] = ReferenceTransformer):
     self.name = name
-    model = ReferenceTransformer(cfg, rngs=nnx.Rngs(seed))
+    model = build(cfg, rngs=nnx.Rngs(seed))
     if mesh is not None:
       annotate(model, mesh, spec_fn)
       self.batch_sharding = NamedSharding(mesh, P("data"))
@@ -92,6 +150,10 @@ def _replicated(path: tuple, ndim: int) -> tuple:
 
 def gspmd(cfg, tx, mesh) -> Peer:
   return Peer("gspmd", cfg, tx, mesh, megatron_spec)
+
+
+def gspmd_fused(cfg, tx, mesh) -> Peer:
+  return Peer("gspmd_fused", cfg, tx, mesh, megatron_spec, build=fused_qkv_reference)
 
 
 def data_parallel(cfg, tx, mesh) -> Peer:

@@ -10,7 +10,7 @@ from flax_tp.collectives import (
     shard_index,
 )
 from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
-from flax_tp.linear import ColumnParallelDense, RowParallelDense
+from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_parallel
 from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
 from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, make_mesh, parse_mesh_spec
 from flax_tp.partition import KVHeadLayout, ShardLayout, split_tensor_for_parallelism
@@ -30,6 +30,7 @@ __all__ = [
     "ColumnParallelDense",
     "copy_to_parallel",
     "DATA_AXIS",
+    "fused_column_parallel",
     "gather_to_parallel",
     "kept_token_count",
     "KVHeadLayout",

@@ -7,10 +7,12 @@ the model axis (padded when the axis does not divide the split dimension).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
@@ -142,7 +144,9 @@ class ColumnParallelDense(_ParallelDense):
         (*self._params(), inputs), (kernel_spec, bias_spec, P()), out_spec)
     return y if self.gather_output else self.layout.unpad(y, -1)
 
-  def _local(self, kernel: Array, bias: Array | None, x: Array, *, gather: bool) -> Array:
+  def _local_params(self, kernel: Array, bias: Array | None) -> tuple[Array, Array | None]:
+    """This device's kernel ``[in, out_pad]`` and bias as the matmul uses them:
+    padding forced to zero, replicated kv heads tied to their copies' gradients."""
     kernel = masked(kernel, self.layout, 1, self.axis_name)
     if bias is not None:
       bias = masked(bias, self.layout, 0, self.axis_name)
@@ -150,6 +154,10 @@ class ColumnParallelDense(_ParallelDense):
       kernel = sum_over_replicas(kernel, self.layout, 1, self.axis_name)
       if bias is not None:
         bias = sum_over_replicas(bias, self.layout, 0, self.axis_name)
+    return kernel, bias
+
+  def _local(self, kernel: Array, bias: Array | None, x: Array, *, gather: bool) -> Array:
+    kernel, bias = self._local_params(kernel, bias)
     y, bias = self._matmul(copy_to_parallel(x, self.axis_name), kernel, bias)
     if bias is not None:
       y = y + bias
@@ -223,6 +231,43 @@ class RowParallelDense(_ParallelDense):
     else:
       y = all_reduce(y, "sum", self.axis_name)
     return y if bias is None else y + bias
+
+
+def fused_column_parallel(layers: Sequence[ColumnParallelDense], x: Array) -> tuple[Array, ...]:
+  """Several column-parallel layers reading one input, as one matmul.
+
+  Inside ``shard_map``: ``x [..., in]`` replicated over the model axis -> each
+  layer's output as ``layer(x)`` with ``gather_output=False`` gives it, this
+  device's padded shard ``[..., out_pad]``. The layers' local kernels are joined
+  along their outputs into one ``[in, sum(out_pad)]`` kernel, so the forward is
+  one matmul and the backward one input-gradient matmul and one all-reduce (of
+  ``copy_to_parallel``), however many layers (Megatron's fused q/k/v and
+  gate/up projections). The params stay stored per layer: checkpoints,
+  ``unshard`` and HF export see no difference. Standalone, each layer runs on
+  its own.
+  """
+  first = layers[0]
+  if len({(layer.axis_name, layer.in_features, layer.dtype, layer.precision)
+          for layer in layers}) != 1:
+    raise ValueError("fused_column_parallel needs layers of one axis, input width, dtype "
+                     "and precision")
+  if not first._is_local():
+    return tuple(layer(x) for layer in layers)
+  if any(layer.gather_output or layer.sequence_parallel for layer in layers):
+    raise ValueError("fused_column_parallel returns local shards: build the layers with "
+                     "gather_output=False and without sequence_parallel")
+  params = [layer._local_params(*layer._params()) for layer in layers]
+  kernel = jnp.concatenate([k for k, _ in params], axis=1)
+  x = copy_to_parallel(x, first.axis_name)
+  y, _ = first._matmul(x, kernel, None)
+  widths = np.cumsum([k.shape[1] for k, _ in params])[:-1].tolist()
+  outputs = []
+  for layer, out, (_, bias) in zip(layers, jnp.split(y, widths, axis=-1), params, strict=True):
+    if bias is not None:
+      _, _, bias = layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
+      out = out + bias
+    outputs.append(out)
+  return tuple(outputs)
 
 
 def split_local(x: Array, layout: ShardLayout, axis_name: str) -> Array:

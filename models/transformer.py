@@ -148,11 +148,10 @@ class ParallelAttention(nnx.Module):
     """This device's query heads ``[b, s, hq_pad, k]`` and kv heads ``[b, s, hkv_pad, k]``
     (rotary applied at ``positions [b, s]``, default ``0 .. s-1``)."""
     b, s, _ = x_bsd.shape
-    # One copy_to_parallel for q, k and v: backward sums their input gradients
-    # first and all-reduces once.
-    x_bsd = flax_tp.copy_to_parallel(x_bsd)
+    # One matmul for q, k and v (their local kernels joined), one all-reduce of
+    # the input gradient in backward.
     split = lambda t: t.reshape(b, s, -1, self.cfg.head_dim)
-    q, k, v = split(self.q(x_bsd)), split(self.k(x_bsd)), split(self.v(x_bsd))
+    q, k, v = map(split, flax_tp.fused_column_parallel((self.q, self.k, self.v), x_bsd))
     base = self.cfg.rope_base
     return ops.rotary(q, base, positions), ops.rotary(k, base, positions), v
 
@@ -239,12 +238,14 @@ class ParallelMLP(nnx.Module):
     """``[b, s, d]`` replicated -> ``[b, s, d]`` replicated; GELU(0) = SiLU(0) = 0 keeps
     padding at 0. With ``seq``, this device's sequence block in and out (one
     all-gather in, one reduce-scatter out)."""
-    x_bsd = flax_tp.copy_to_parallel(x_bsd) if seq is None else seq.gather(x_bsd)
-    # (one backward all-reduce, or reduce-scatter, for gate and up)
+    if seq is not None:
+      x_bsd = seq.gather(x_bsd)
+    # gate and up as one matmul (one backward all-reduce, or with SP reduce-scatter)
     if self.swiglu:
-      hidden = jax.nn.silu(self.gate(x_bsd)) * self.up(x_bsd)
+      gate, up = flax_tp.fused_column_parallel((self.gate, self.up), x_bsd)
+      hidden = jax.nn.silu(gate) * up
     else:
-      hidden = jax.nn.gelu(self.up(x_bsd))
+      hidden = jax.nn.gelu(self.up(flax_tp.copy_to_parallel(x_bsd)))
     return self.down(hidden if seq is None else seq.for_scatter(hidden))
 
 

@@ -16,6 +16,7 @@ def test_bench_smoke(tmp_path):
     # The audit is exact: Megatron's minimum, nothing more (clipping's scalars aside).
     assert audit["count_ratio"] == 1.0 and audit["bytes_ratio"] == 1.0, audit
   assert results["meshes"]["2x4"]["gspmd"]["step_s"] > 0
+  assert results["meshes"]["2x4"]["gspmd_fused"]["step_s"] > 0
   assert results["meshes"]["8x1"]["data_parallel"]["step_s"] > 0
   assert results["overhead"]["step"]["ratio"] > 0
   assert abs(results["memory"]["2x4"]["ratio"] - 1.0) < 1e-9
@@ -57,3 +58,22 @@ def test_memory_bench_smoke(tmp_path):
   # Each option lowers XLA's figure; recomputation does so unrolled too (BENCHMARKS §10).
   assert temp["plain"] > temp["sp"] > 0
   assert temp["sp+remat"] < 0.75 * temp["sp"]  # jax.checkpoint alone gave ~0.96 here
+
+
+def test_fused_qkv_peer_is_the_reference_model():
+  """bench/peers.py's fused-projection GPT (GSPMD's second peer) computes the reference
+  model's function from the same weights, grouped-query heads and biases included."""
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  from bench.peers import fused_qkv_reference
+  from models.reference import ReferenceTransformer, reference_loss
+  cfg = TransformerConfig.preset("llama-tiny", qkv_bias=True)
+  tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
+  fused = fused_qkv_reference(cfg, nnx.Rngs(0))
+  assert fused.blocks[0].attn.qkv.kernel[...].shape == (cfg.d_model, (6 + 2 * 2) * 4)
+  loss = nnx.jit(reference_loss)
+  np.testing.assert_allclose(loss(fused, tokens),
+                             loss(ReferenceTransformer(cfg, rngs=nnx.Rngs(0)), tokens),
+                             rtol=1e-6)

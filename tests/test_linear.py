@@ -287,3 +287,75 @@ def test_sequence_parallel_pair_inside_shard_map(meshes, mesh_spec):
       in_specs=(nnx.get_partition_spec(nnx.state(pair)), P("data", "model")),
       out_specs=P("data", "model")))(nnx.state(pair), seq.pad(x, 1))
   np.testing.assert_allclose(seq.unpad(blocks, 1), ref(x), **F32)
+
+
+class FusedProjections(nnx.Module):
+  """Three column layers on one input (one uneven, one with replicated kv heads) into a
+  row layer: with ``fused`` the three run as one matmul (flax_tp.fused_column_parallel)."""
+
+  def __init__(self, *, mesh=None, fused=False, rngs):
+    self.fused = fused
+    if mesh is None:
+      self.a, self.b = nnx.Linear(6, 8, rngs=rngs), nnx.Linear(6, 2, rngs=rngs)
+      self.c, self.out = nnx.Linear(6, 5, rngs=rngs), nnx.Linear(15, 3, rngs=rngs)
+      return
+    kv = flax_tp.KVHeadLayout(2, mesh.shape["model"], 1, num_heads=8)
+    column = dict(mesh=mesh, gather_output=False, rngs=rngs)
+    self.a = flax_tp.ColumnParallelDense(6, 8, **column)
+    self.b = flax_tp.ColumnParallelDense(6, 2, layout=kv, **column)
+    self.c = flax_tp.ColumnParallelDense(6, 5, **column)
+    self.out = flax_tp.RowParallelDense(15, 3, mesh=mesh, rngs=rngs)
+
+  def __call__(self, x):
+    if flax_tp.axis_is_bound("model"):
+      layers = (self.a, self.b, self.c)
+      outs = (flax_tp.fused_column_parallel(layers, x) if self.fused
+              else [layer(x) for layer in layers])
+      # Back to logical features for the row layer: this test is about the projections.
+      outs = [layer.layout.unpad(flax_tp.all_gather(y, axis=-1), -1)
+              for layer, y in zip(layers, outs, strict=True)]
+      return self.out(jnp.tanh(jnp.concatenate(outs, axis=-1)))
+    return self.out(jnp.tanh(jnp.concatenate([self.a(x), self.b(x), self.c(x)], axis=-1)))
+
+
+@pytest.mark.parametrize("mesh_spec", ["2x4", "1x3"])
+def test_fused_column_parallel_equals_the_separate_layers(meshes, mesh_spec):
+  """One matmul for several column layers: loss and every gradient (the replicated kv
+  copies' summed ones included) equal separate layers' and plain Flax's."""
+  mesh = meshes[mesh_spec]
+  x = random((8, 6))
+
+  def loss(module, x):
+    return flax_tp.all_reduce(jnp.sum(jnp.sin(module(x))) / 8, "sum", "data")
+
+  fused = FusedProjections(mesh=mesh, fused=True, rngs=nnx.Rngs(0))
+  separate = FusedProjections(mesh=mesh, rngs=nnx.Rngs(0))
+  ref = FusedProjections(rngs=nnx.Rngs(0))
+  value, grads = inside_shard_map(fused, loss, mesh, x, in_specs=[P("data")])
+  sep_value, sep_grads = inside_shard_map(separate, loss, mesh, x, in_specs=[P("data")])
+  ref_value, ref_grads = nnx.jit(nnx.value_and_grad(
+      lambda m, x: jnp.sum(jnp.sin(m(x))) / 8))(ref, x)
+  np.testing.assert_allclose(value, sep_value, rtol=1e-6)
+  np.testing.assert_allclose(value, ref_value, **F32)
+  # Stored forms, padding and kv copies included, equal the separate layers'.
+  for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(sep_grads),
+                               strict=True):
+    np.testing.assert_allclose(a[...], b[...], rtol=1e-6, atol=1e-7, err_msg=str(path))
+  assert_state_close(grads, ref_grads)
+
+
+def test_fused_column_parallel_refuses_what_it_cannot_fuse(meshes):
+  mesh = meshes["1x2"]
+  gathered = flax_tp.ColumnParallelDense(6, 4, mesh=mesh, rngs=nnx.Rngs(0))
+  local = flax_tp.ColumnParallelDense(6, 4, mesh=mesh, gather_output=False, rngs=nnx.Rngs(1))
+  wider = flax_tp.ColumnParallelDense(7, 4, mesh=mesh, gather_output=False, rngs=nnx.Rngs(2))
+  with pytest.raises(ValueError, match="one axis, input width"):
+    flax_tp.fused_column_parallel((local, wider), random((2, 6)))
+  x = random((2, 6))
+  with pytest.raises(ValueError, match="gather_output=False"):
+    jax.jit(jax.shard_map(lambda x: flax_tp.fused_column_parallel((gathered, local), x)[0],
+                          mesh=mesh, in_specs=P(), out_specs=P(None, "model")))(x)
+  # Standalone (outside shard_map) each layer runs on its own: logical outputs.
+  a, b = flax_tp.fused_column_parallel((gathered, local), x)
+  np.testing.assert_allclose(b, local(x), **F32)
+  assert a.shape == b.shape == (2, 4)
