@@ -34,7 +34,9 @@ DEVICES = 8
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
-  p.add_argument("--preset", default="small", choices=["tiny", "small"])
+  p.add_argument("--preset", default="small", choices=["tiny", "small", "llama-125m"],
+                 help="model width (8 heads, vocabulary 256 so that GSPMD can shard it)")
+  p.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
   p.add_argument("--meshes", default="1x8,2x4,4x2,8x1", help="comma-separated DxM meshes")
   p.add_argument("--repeats", type=int, default=7, help="timed steps per contender")
   p.add_argument("--batch-size", type=int, default=32)
@@ -48,13 +50,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- helpers ---------------------------------------------------------------------
 
 
-def bench_config(preset: str):
-  """The preset with 8 heads and sizes 8 divides, so that GSPMD can shard it on 8 devices."""
+def bench_config(preset: str, layers: int | None = None, seq_len: int = 128):
+  """The preset with 8 heads and sizes 8 divides, so that GSPMD can shard it on 8 devices
+  (a Llama preset keeps its kv heads: grouped-query attention)."""
   from models.config import TransformerConfig
   base = TransformerConfig.preset(preset)
   head_dim = max(2, (base.num_heads * base.head_dim) // 8 // 2 * 2)
   return TransformerConfig.preset(preset, num_heads=8, head_dim=head_dim, vocab_size=256,
-                                  d_ff=-(-base.d_ff // 8) * 8)
+                                  d_ff=-(-base.d_ff // 8) * 8,
+                                  num_layers=layers or base.num_layers,
+                                  max_seq_len=max(base.max_seq_len, seq_len))
 
 
 def compile_timed(jitted, *args) -> tuple[Any, float]:
@@ -193,7 +198,7 @@ def main(argv=None) -> int:
   from train.step import make_optimizer
 
   platform_name = jax.devices()[0].platform
-  cfg = bench_config(args.preset)
+  cfg = bench_config(args.preset, args.layers, args.seq_len)
   tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10)
   tokens_host = np.asarray(peers.tokens_for(cfg, args.batch_size, args.seq_len))
   results: dict[str, Any] = {
@@ -317,6 +322,12 @@ def main(argv=None) -> int:
 
   Path(args.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
   print(f"wrote {args.out}")
+  from bench.plots import PlotsUnavailable, draw
+  try:  # beside the results: step time and bytes per mesh against the peers
+    for path in draw(results, Path(args.out).parent):
+      print(f"wrote {path}")
+  except PlotsUnavailable as err:
+    print(f"no plots: {err}")
   return 0
 
 

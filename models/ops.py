@@ -60,9 +60,20 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                      heads: jax.Array) -> jax.Array:
   """Softmax attention with a causal mask.
 
-  q, k, v: ``[b, s, h, k]``; rows/heads: logical ids for dropout.
+  q: ``[b, s, h, k]``; k, v: ``[b, s, g, k]`` with ``g`` dividing ``h`` (query head
+  ``i`` reads kv head ``i // (h // g)``: grouped-query attention without copying
+  the kv heads); rows/heads: logical ids for dropout.
   returns ``[b, s, h, k]``. Softmax runs in float32 whatever the input dtype.
+
+  Without dropout this is ``jax.nn.dot_product_attention`` (XLA's implementation:
+  the same formula, scores in float32). Dropout on the probabilities needs them
+  materialised, which no fused kernel exposes, so it keeps the explicit form.
   """
+  if dropout_key is None or rate == 0.0:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  group = q.shape[2] // k.shape[2]
+  if group > 1:
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
   scores = jnp.einsum("bqhk,bthk->bhqt", q, k, preferred_element_type=jnp.float32) * scale
   s = q.shape[1]

@@ -31,8 +31,7 @@ class Attention(nnx.Module):
     split = lambda t: t.reshape(b, s, -1, cfg.head_dim)
     q, k, v = split(self.q(x_bsd)), split(self.k(x_bsd)), split(self.v(x_bsd))
     q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
-    group = cfg.num_heads // cfg.kv_heads  # query heads per kv head
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    # k, v keep their kv heads: query head i reads kv head i // (query heads per kv head)
     out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
                                rate=cfg.dropout, rows=jnp.arange(b),
                                heads=jnp.arange(cfg.num_heads))

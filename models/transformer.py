@@ -168,14 +168,19 @@ class ParallelAttention(nnx.Module):
     b, s, _ = x_bsd.shape
     q, k, v = self._project(x_bsd)
     device = flax_tp.shard_index(self.q.axis_name)
-    if cfg.kv_heads != cfg.num_heads:  # grouped-query: each query head's kv head, locally
+    grouped = cfg.kv_heads != cfg.num_heads
+    if grouped:
       index, real = (jnp.asarray(t)[device] for t in self._kv_for_query_heads())
-      k, v = jnp.take(k, index, axis=2), jnp.take(v, index, axis=2)
+      if not self._groups_line_up():
+        # Replicated kv heads straddle this device's groups: each query head's own.
+        k, v = jnp.take(k, index, axis=2), jnp.take(v, index, axis=2)
+      # (else the local query heads are whole groups over the local kv heads, in
+      # order, and attention reads each kv head once for its group)
     first_head = jnp.asarray(self.q.layout.offsets)[device]
     heads = first_head // cfg.head_dim + jnp.arange(q.shape[2])
     out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
                                rate=cfg.dropout, rows=rows, heads=heads)
-    if cfg.kv_heads != cfg.num_heads:
+    if grouped:
       # A padded query head (zero q) would average real values: zero it, as
       # plain attention's padded heads (zero q, k and v) are.
       out = jnp.where(real[:, None], out, jnp.zeros((), out.dtype))

@@ -20,6 +20,12 @@ def test_bench_smoke(tmp_path):
   assert results["meshes"]["8x1"]["data_parallel"]["step_s"] > 0
   assert results["overhead"]["step"]["ratio"] > 0
   assert abs(results["memory"]["2x4"]["ratio"] - 1.0) < 1e-9
+  try:
+    import matplotlib  # noqa: F401  (the bench extra)
+  except ImportError:
+    return
+  for name in ("step_time.png", "collective_bytes.png"):  # drawn beside --out
+    assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_minimum_formula():
