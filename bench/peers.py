@@ -35,6 +35,7 @@ _RULES = {
     ("v", "bias"): ("model",), ("o", "kernel"): ("model", None),
     ("qkv", "kernel"): (None, "model"), ("qkv", "bias"): ("model",),
     ("up", "kernel"): (None, "model"), ("up", "bias"): ("model",),
+    ("gate", "kernel"): (None, "model"), ("gate", "bias"): ("model",),  # SwiGLU
     ("down", "kernel"): ("model", None), ("head", "kernel"): (None, "model"),
 }
 

@@ -60,7 +60,7 @@ def draw(results: dict, out_dir: Path) -> list[Path]:
     ax.set_xticks(range(len(specs)), specs)
     ax.set_xlabel("mesh (data x model)")
     ax.set_ylabel(label)
-    ax.set_title(f"{label.split(' (')[0]} per train step ({where})")
+    ax.set_title(f"train step ({where})")
     ax.legend(fontsize="small")
     fig.tight_layout()
     path = out_dir / file_name

@@ -83,3 +83,22 @@ def test_fused_qkv_peer_is_the_reference_model():
   np.testing.assert_allclose(loss(fused, tokens),
                              loss(ReferenceTransformer(cfg, rngs=nnx.Rngs(0)), tokens),
                              rtol=1e-6)
+
+
+def test_gspmd_peers_shard_every_matrix_but_the_norms():
+  """The GSPMD peers split every projection (SwiGLU's gate included) and the embedding,
+  as flax_tp does: a replicated matrix would make the peer do more work than it should."""
+  from flax import nnx
+
+  from bench.peers import fused_qkv_reference, megatron_spec
+  from models.reference import ReferenceTransformer
+  cfg = TransformerConfig.preset("llama-tiny", qkv_bias=True, mlp_bias=True,
+                                 tie_embeddings=False)
+  for model in (ReferenceTransformer(cfg, rngs=nnx.Rngs(0)),
+                fused_qkv_reference(cfg, nnx.Rngs(0))):
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+      spec = megatron_spec(path, var[...].ndim)
+      replicated = all(name is None for name in spec)
+      is_norm_or_row_bias = path[-2] in ("ln1", "ln2", "ln_f") or path[-2:] in (
+          ("o", "bias"), ("down", "bias"))
+      assert replicated == is_norm_or_row_bias, (path, spec)
