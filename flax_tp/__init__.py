@@ -14,6 +14,7 @@ from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_p
 from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
 from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, make_mesh, parse_mesh_spec
 from flax_tp.partition import KVHeadLayout, ShardLayout, split_tensor_for_parallelism
+from flax_tp.plan import explain_plan, parallelize
 from flax_tp.sampling import vocab_parallel_sample
 from flax_tp.state import (
     load_unsharded,
@@ -30,6 +31,7 @@ __all__ = [
     "ColumnParallelDense",
     "copy_to_parallel",
     "DATA_AXIS",
+    "explain_plan",
     "fused_column_parallel",
     "gather_to_parallel",
     "kept_token_count",
@@ -38,6 +40,7 @@ __all__ = [
     "make_mesh",
     "MODEL_AXIS",
     "ParallelEmbedding",
+    "parallelize",
     "parse_mesh_spec",
     "place_on_mesh",
     "reduce_scatter",

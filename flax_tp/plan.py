@@ -1,0 +1,206 @@
+"""Tensor parallelism for a Flax NNX model written without flax_tp: ``parallelize``.
+
+A *plan* maps glob patterns over dot-joined module paths (``"blocks.*.attn.q"``,
+matched against the whole path) to a style:
+
+- ``"column"`` (HF's ``"colwise"``): an ``nnx.Linear`` split over its outputs
+  (``ColumnParallelDense``, output left split: ``gather_output=False``);
+- ``"row"`` (``"rowwise"``): an ``nnx.Linear`` split over its inputs (``RowParallelDense``);
+- ``"vocab"``: an ``nnx.Embed`` split over its rows (``VocabParallelEmbedding``);
+- ``"embed_features"``: an ``nnx.Embed`` split over its features (``ParallelEmbedding``);
+- ``"replicate"``: left as it is, its params replicated on the mesh.
+
+``parallelize`` swaps the planned modules for flax_tp layers holding the same
+values (nothing is re-initialised) and puts every other param on the mesh,
+replicated. Each swapped layer runs in its standalone form (its own
+``shard_map``), so the model is called exactly as before and gives what it gave.
+Under ``jax.jit``, a column layer's output stays split over the model axis (the
+partitioner carries the split through elementwise and reshaping code) and the
+row layer that consumes it reads it in place: with sizes the axis divides, a
+column -> row pair costs Megatron's one all-reduce.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
+from flax_tp.linear import ColumnParallelDense, RowParallelDense
+from flax_tp.mesh import MODEL_AXIS
+from flax_tp.partition import ShardLayout
+from flax_tp.state import load_unsharded, replicate_on_mesh
+
+STYLES = ("column", "row", "vocab", "embed_features", "replicate")
+ALIASES = {"colwise": "column", "rowwise": "row"}  # HF transformers' tp_plan names
+_FITS = {"column": nnx.Linear, "row": nnx.Linear, "vocab": nnx.Embed,
+         "embed_features": nnx.Embed}
+
+
+@dataclass(frozen=True)
+class _Entry:
+  """One planned module: its path, the module, its style and the pattern that chose it."""
+
+  path: str
+  module: nnx.Module
+  style: str
+  pattern: str | None
+
+
+def _style(name: Any, pattern: str) -> str:
+  style = ALIASES.get(name, name)
+  if style not in STYLES:
+    raise ValueError(f"plan pattern {pattern!r}: unknown style {name!r}; expected one of "
+                     f"{STYLES} (or {tuple(ALIASES)})")
+  return style
+
+
+def _resolve(model: nnx.Module, plan: dict[str, str]) -> list[_Entry]:
+  """Every ``nnx.Linear`` / ``nnx.Embed`` of ``model`` (and every other planned module)
+  with its style; unplanned layers are ``"replicate"`` with no pattern."""
+  if not isinstance(plan, dict) or not plan:
+    raise ValueError(f"plan must be a non-empty dict of glob pattern -> style, got {plan!r}")
+  styles = {pattern: _style(name, pattern) for pattern, name in plan.items()}
+  used: set[str] = set()
+  entries = []
+  for path_parts, module in nnx.iter_modules(model):
+    if not path_parts:
+      continue
+    path = ".".join(str(p) for p in path_parts)
+    matches = [p for p in styles if fnmatch.fnmatchcase(path, p)]
+    used.update(matches)
+    chosen = {styles[p] for p in matches}
+    if len(chosen) > 1:
+      raise ValueError(f"module {path!r} is matched by patterns with different styles: "
+                       + ", ".join(f"{p!r} -> {styles[p]!r}" for p in matches))
+    if chosen:
+      style = chosen.pop()
+      fits = _FITS.get(style)
+      if fits is not None and type(module) is not fits:
+        raise ValueError(f"style {style!r} (pattern {matches[0]!r}) does not fit module "
+                         f"{path!r}, a {type(module).__name__}: it needs an "
+                         f"nnx.{fits.__name__}")
+      entries.append(_Entry(path, module, style, matches[0]))
+    elif type(module) in (nnx.Linear, nnx.Embed):
+      entries.append(_Entry(path, module, "replicate", None))
+  unused = [p for p in styles if p not in used]
+  if unused:
+    raise ValueError(f"plan patterns match no module: {unused} (module paths look like "
+                     f"{[e.path for e in entries[:3]]})")
+  return entries
+
+
+def _parallel_layer(entry: _Entry, mesh: Mesh, axis_name: str) -> nnx.Module | None:
+  """The flax_tp layer for ``entry`` with the module's own values; None to keep it."""
+  m = entry.module
+  if entry.style in ("column", "row"):
+    kwargs = dict(mesh=mesh, axis_name=axis_name, use_bias=m.use_bias, dtype=m.dtype,
+                  param_dtype=m.param_dtype, precision=m.precision,
+                  dot_general=m.dot_general, promote_dtype=m.promote_dtype,
+                  rngs=nnx.Rngs(0))
+    if entry.style == "column":
+      layer = ColumnParallelDense(m.in_features, m.out_features, gather_output=False,
+                                  **kwargs)
+    else:
+      layer = RowParallelDense(m.in_features, m.out_features, **kwargs)
+  elif entry.style in ("vocab", "embed_features"):
+    cls = VocabParallelEmbedding if entry.style == "vocab" else ParallelEmbedding
+    layer = cls(m.num_embeddings, m.features, mesh=mesh, axis_name=axis_name, dtype=m.dtype,
+                param_dtype=m.param_dtype, promote_dtype=m.promote_dtype, rngs=nnx.Rngs(0))
+  else:
+    return None
+  load_unsharded(layer, m)  # the module's values, padded and sharded: no re-initialisation
+  return layer
+
+
+def _set_module(model: nnx.Module, path: str, layer: nnx.Module) -> None:
+  *parents, last = path.split(".")
+  node: Any = model
+  for part in parents:
+    node = node[int(part)] if part.isdigit() and not hasattr(node, part) else getattr(node,
+                                                                                       part)
+  if last.isdigit() and not hasattr(node, last):
+    node[int(last)] = layer
+  else:
+    setattr(node, last, layer)
+
+
+def parallelize(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = None, *,
+                axis_name: str = MODEL_AXIS) -> nnx.Module:
+  """``model`` with the planned layers tensor-parallel over ``axis_name`` of ``mesh``.
+
+  Swaps the modules ``plan`` names (see the module docstring for the styles) for
+  flax_tp layers holding the same values, in place, and replicates every other
+  param on the mesh. Returns ``model``, called as before (standalone, under
+  ``jax.jit``/``nnx.jit``, with ``nnx.Optimizer``), with equal outputs and
+  gradients. A pattern that matches no module, or a style that does not fit the
+  module it matches, is a ``ValueError`` naming them.
+
+  ``plan=None`` (a plan inferred by tracing the forward pass) is not implemented
+  yet: give a plan.
+  """
+  if not isinstance(mesh, Mesh) or axis_name not in mesh.axis_names:
+    raise ValueError(f"mesh must be a jax.sharding.Mesh with a {axis_name!r} axis "
+                     f"(see flax_tp.make_mesh), got {mesh!r}")
+  if plan is None:
+    raise NotImplementedError("parallelize(plan=None): inferring a plan is not implemented "
+                              "yet; pass a plan such as {'*.up': 'column', '*.down': 'row'}")
+  for entry in _resolve(model, plan):
+    layer = _parallel_layer(entry, mesh, axis_name)
+    if layer is not None:
+      _set_module(model, entry.path, layer)
+  replicate_on_mesh(model, mesh)
+  return model
+
+
+def _shape(shape: tuple[int, ...], layout: ShardLayout | None, dim: int | None) -> str:
+  """``[a, b]``; the split dim as each device stores it, with its most padding."""
+  dims = [str(n) for n in shape]
+  if layout is not None:
+    pad = layout.padded_size - min(layout.sizes)
+    dims[dim] = f"{layout.padded_size}" + (f" (up to {pad} padding)" if pad else "")
+  return "[" + ", ".join(dims) + "]"
+
+
+def explain_plan(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = None, *,
+                 axis_name: str = MODEL_AXIS) -> str:
+  """A table of what ``parallelize(model, mesh, plan)`` would do, module by module:
+  style, split dimension, each device's kernel / table shape (largest shard, padding
+  shown) and the collectives of one call. Changes nothing."""
+  if plan is None:
+    raise NotImplementedError("explain_plan(plan=None): inferring a plan is not "
+                              "implemented yet; pass a plan")
+  parts = mesh.shape[axis_name]
+  rows = [("module", "style", "split", "per device", "collectives per call")]
+  for e in _resolve(model, plan):
+    m = e.module
+    if isinstance(m, nnx.Linear):
+      shape, what = (m.in_features, m.out_features), "kernel"
+    elif isinstance(m, nnx.Embed):
+      shape, what = (m.num_embeddings, m.features), "table"
+    else:
+      shape, what = None, "module"
+    dim = {"column": 1, "row": 0, "vocab": 0, "embed_features": 1}.get(e.style)
+    if dim is None or shape is None:
+      local = _shape(shape, None, None) if shape else "-"
+      split, comm = "-", "none (replicated)"
+    else:
+      layout = ShardLayout(shape[dim], parts)
+      local = _shape(shape, layout, dim)
+      split = f"{('in', 'out')[dim] if what == 'kernel' else ('rows', 'features')[dim]}"
+      comm = {"column": "none forward (output stays split); all-reduce of the input "
+                        "gradient in backward",
+              "row": "all-reduce of the output forward",
+              "vocab": "all-reduce of the looked-up rows forward",
+              "embed_features": "all-gather of the features forward"}[e.style]
+    rows.append((e.path, e.style, split, f"{what} {local}", comm))
+  widths = [max(len(r[i]) for r in rows) for i in range(4)]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
+           for r in rows]
+  lines.insert(1, "-" * len(lines[0]))
+  lines.append(f"({parts} devices on {axis_name!r}; every other param replicated)")
+  return "\n".join(lines)

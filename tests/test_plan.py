@@ -1,0 +1,143 @@
+"""flax_tp.parallelize / explain_plan on models written without flax_tp in mind."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import F32, assert_state_close
+
+import flax_tp
+from flax_tp.hlo import collectives
+
+
+class Classifier(nnx.Module):
+  """Token embedding -> MLP -> class logits, as anyone would write it."""
+
+  def __init__(self, vocab, d, hidden, classes, *, rngs):
+    self.embed = nnx.Embed(vocab, d, rngs=rngs)
+    self.up = nnx.Linear(d, hidden, rngs=rngs)
+    self.down = nnx.Linear(hidden, d, rngs=rngs)
+    self.norm = nnx.LayerNorm(d, rngs=rngs)
+    self.out = nnx.Linear(d, classes, rngs=rngs)
+
+  def __call__(self, ids):
+    x = self.embed(ids)
+    x = x + self.down(jax.nn.gelu(self.up(x)))
+    return self.out(self.norm(x).mean(axis=1))
+
+
+class Block(nnx.Module):
+  """A pre-norm transformer block: separate or fused q/k/v, heads from a reshape."""
+
+  def __init__(self, d, heads, *, fused, rngs):
+    self.heads, self.fused = heads, fused
+    self.norm1, self.norm2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+    if fused:
+      self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
+    else:
+      self.q, self.k, self.v = (nnx.Linear(d, d, rngs=rngs) for _ in range(3))
+    self.o = nnx.Linear(d, d, rngs=rngs)
+    self.fc1, self.fc2 = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+  def __call__(self, x):
+    b, s, d = x.shape
+    h = self.norm1(x)
+    if self.fused:
+      q, k, v = jnp.split(self.qkv(h), 3, axis=-1)
+    else:
+      q, k, v = self.q(h), self.k(h), self.v(h)
+    q, k, v = (t.reshape(b, s, self.heads, -1) for t in (q, k, v))
+    attn = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, s, d)
+    x = x + self.o(attn)
+    return x + self.fc2(jax.nn.gelu(self.fc1(self.norm2(x))))
+
+
+CLASSIFIER_PLAN = {"embed": "vocab", "up": "colwise", "down": "rowwise"}
+BLOCK_PLAN = {"q": "column", "k": "column", "v": "column", "qkv": "column", "o": "row",
+              "fc1": "column", "fc2": "row"}
+
+
+def loss_fn(model, x):
+  return jnp.sum(jnp.sin(model(x)))
+
+
+grad_of = nnx.jit(nnx.value_and_grad(loss_fn))
+
+
+@pytest.mark.parametrize("mesh_spec", ["2x4", "1x3"])
+@pytest.mark.parametrize("kind", ["classifier", "block", "fused_block"])
+def test_parallelized_model_equals_the_original(meshes, mesh_spec, kind):
+  """Same values (no re-init), equal outputs and gradients, and an nnx.Optimizer step
+  that gives the same params; 1x3 splits nothing evenly (8 heads, vocab 50)."""
+  def build():
+    if kind == "classifier":
+      return Classifier(50, 8, 20, 5, rngs=nnx.Rngs(0)), CLASSIFIER_PLAN
+    model = Block(16, 8, fused=kind == "fused_block", rngs=nnx.Rngs(0))
+    return model, {k: v for k, v in BLOCK_PLAN.items() if hasattr(model, k)}
+
+  ref, plan = build()
+  model, _ = build()
+  flax_tp.parallelize(model, meshes[mesh_spec], plan)
+  assert_state_close(model, ref, rtol=0, atol=0)
+  x = (jax.random.randint(jax.random.key(1), (4, 6), 0, 50) if kind == "classifier"
+       else jax.random.normal(jax.random.key(1), (4, 6, 16)))
+  np.testing.assert_allclose(model(x), ref(x), **F32)  # standalone, eager
+  value, grads = grad_of(model, x)
+  ref_value, ref_grads = grad_of(ref, x)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  # Gradients up to ~5 in size, summed over 96 positions in another order: 1e-5.
+  assert_state_close(grads, ref_grads, rtol=1e-5, atol=1e-5)
+
+  # SGD, not Adam: the key bias's true gradient is zero (softmax ignores it), and Adam
+  # would blow its rounding noise up to a full step in either direction.
+  tx = optax.sgd(0.1)
+  opt, ref_opt = nnx.Optimizer(model, tx, wrt=nnx.Param), nnx.Optimizer(ref, tx, wrt=nnx.Param)
+  opt.update(model, grads)
+  ref_opt.update(ref, ref_grads)
+  assert_state_close(model, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_column_row_pair_costs_one_all_reduce(meshes):
+  """Even sizes under jit: the split activation between up and down stays split (the
+  partitioner carries it through gelu), so the forward's only communication over the
+  model axis is the row layer's all-reduce and the embedding's."""
+  mesh = meshes["2x4"]
+  model = flax_tp.parallelize(Classifier(64, 8, 32, 4, rngs=nnx.Rngs(0)), mesh,
+                              CLASSIFIER_PLAN)
+  ids = jax.device_put(jnp.zeros((8, 4), jnp.int32),
+                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  hlo = nnx.jit(lambda m, x: m(x)).lower(model, ids).compile().as_text()
+  found = collectives(hlo, mesh)
+  model_ops = [c for c in found if "model" in c.axes]
+  assert sorted(c.kind for c in model_ops) == ["all-reduce", "all-reduce"], found
+
+
+def test_plan_errors_name_the_pattern_and_the_module(meshes):
+  mesh = meshes["1x2"]
+  model = Classifier(50, 8, 20, 5, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"match no module: \['blocks\.\*\.q'\]"):
+    flax_tp.parallelize(model, mesh, {"blocks.*.q": "column"})
+  with pytest.raises(ValueError, match=r"style 'row' \(pattern 'embed'\) does not fit module "
+                                       r"'embed', a Embed: it needs an nnx.Linear"):
+    flax_tp.parallelize(model, mesh, {"embed": "row"})
+  with pytest.raises(ValueError, match=r"unknown style 'sideways'"):
+    flax_tp.parallelize(model, mesh, {"up": "sideways"})
+  with pytest.raises(ValueError, match=r"different styles"):
+    flax_tp.parallelize(model, mesh, {"up": "column", "u*": "row"})
+  with pytest.raises(NotImplementedError, match="pass a plan"):
+    flax_tp.parallelize(model, mesh)
+  # Nothing was swapped by the refused calls.
+  assert type(model.up) is nnx.Linear and type(model.embed) is nnx.Embed
+
+
+def test_explain_plan_shows_shapes_padding_and_collectives(meshes):
+  model = Classifier(50, 8, 20, 5, rngs=nnx.Rngs(0))
+  table = flax_tp.explain_plan(model, meshes["1x3"], CLASSIFIER_PLAN)
+  lines = {line.split()[0]: line for line in table.splitlines()[2:-1]}
+  assert "vocab" in lines["embed"] and "table [17 (up to 1 padding), 8]" in lines["embed"]
+  assert "column" in lines["up"] and "kernel [8, 7 (up to 1 padding)]" in lines["up"]
+  assert "all-reduce of the output forward" in lines["down"]
+  assert "replicate" in lines["out"] and "none (replicated)" in lines["out"]
+  assert type(model.up) is nnx.Linear  # explaining changes nothing
