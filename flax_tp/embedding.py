@@ -102,7 +102,7 @@ class VocabParallelEmbedding(_ParallelEmbed):
     if self._is_local():
       return self._lookup(self.embedding[...], inputs, scatter=self.sequence_parallel)
     return self._run_standalone(self._lookup, (self.embedding[...], inputs),
-                                (self._spec(2, 0), P()), P())
+                                (self._spec(2, 0), P()), P(), batch=1, min_ndim=1)
 
   def _lookup(self, table: Array, ids: Array, scatter: bool = False) -> Array:
     layout, vocab = self.layout, self.num_embeddings
@@ -132,7 +132,8 @@ class VocabParallelEmbedding(_ParallelEmbed):
     if self._is_local():
       return self._attend(self.embedding[...], query, gather=False)
     return self._run_standalone(lambda t, q: self._attend(t, q, gather=True),
-                                (self.embedding[...], query), (self._spec(2, 0), P()), P())
+                                (self.embedding[...], query), (self._spec(2, 0), P()), P(),
+                                batch=1)
 
   def _attend(self, table: Array, query: Array, *, gather: bool) -> Array:
     table = masked(table, self.layout, 0, self.axis_name)
@@ -170,7 +171,7 @@ class ParallelEmbedding(_ParallelEmbed):
     out_spec = P() if self.gather_output else self._spec(inputs.ndim + 1, -1)
     out = self._run_standalone(lambda t, i: self._lookup(t, i, gather=self.gather_output),
                                (self.embedding[...], inputs), (self._spec(2, 1), P()),
-                               out_spec)
+                               out_spec, batch=1, min_ndim=1)
     return out if self.gather_output else self.layout.unpad(out, -1)
 
   def _lookup(self, table: Array, ids: Array, *, gather: bool) -> Array:
@@ -187,7 +188,7 @@ class ParallelEmbedding(_ParallelEmbed):
     if self._is_local():
       return self._attend(self.embedding[...], query)
     return self._run_standalone(self._attend, (self.embedding[...], query),
-                                (self._spec(2, 1), P()), P())
+                                (self._spec(2, 1), P()), P(), batch=1)
 
   def _attend(self, table: Array, query: Array) -> Array:
     table = masked(table, self.layout, 1, self.axis_name)

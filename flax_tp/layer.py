@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from flax_tp.collectives import axis_is_bound
+from flax_tp.mesh import DATA_AXIS
 from flax_tp.state import partition_names, place_on_mesh
 
 
@@ -55,8 +56,22 @@ class ParallelModule(nnx.Module):
     return axis_is_bound(self.axis_name)
 
   def _run_standalone(self, local_fn: Callable[..., Any], args: Sequence[Any],
-                      in_specs: Sequence[Any], out_specs: Any) -> Any:
-    """Runs ``local_fn`` on local shards under this layer's own ``shard_map``."""
+                      in_specs: Sequence[Any], out_specs: Any, *,
+                      batch: int | None = None, min_ndim: int = 2) -> Any:
+    """Runs ``local_fn`` on local shards under this layer's own ``shard_map``.
+
+    ``batch``: the index in ``args`` of the activation (ids) whose leading axis
+    is the batch. When the mesh has a ``"data"`` axis that divides it (and the
+    activation has at least ``min_ndim`` dims), that axis and the output's
+    leading axis are split over ``"data"``, so each data replica computes only
+    its rows (the params' gradients are summed over ``"data"`` by the map).
+    """
+    x = args[batch] if batch is not None else None
+    size = self.mesh.shape.get(DATA_AXIS, 1)
+    if x is not None and size > 1 and x.ndim >= min_ndim and x.shape[0] % size == 0:
+      lead = lambda spec: P(DATA_AXIS, *tuple(spec)[1:])
+      in_specs = [lead(s) if i == batch else s for i, s in enumerate(in_specs)]
+      out_specs = lead(out_specs)
     mapped = jax.shard_map(local_fn, mesh=self.mesh, in_specs=tuple(in_specs),
                            out_specs=out_specs, check_vma=True)
     # Outside any trace, compile the map as one program: eager shard_map would

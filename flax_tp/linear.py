@@ -141,7 +141,7 @@ class ColumnParallelDense(_ParallelDense):
     out_spec = P() if self.gather_output else self._spec(inputs.ndim, -1)
     y = self._run_standalone(
         lambda k, b, x: self._local(k, b, x, gather=self.gather_output),
-        (*self._params(), inputs), (kernel_spec, bias_spec, P()), out_spec)
+        (*self._params(), inputs), (kernel_spec, bias_spec, P()), out_spec, batch=2)
     return y if self.gather_output else self.layout.unpad(y, -1)
 
   def _local_params(self, kernel: Array, bias: Array | None) -> tuple[Array, Array | None]:
@@ -203,7 +203,7 @@ class RowParallelDense(_ParallelDense):
     return self._run_standalone(
         lambda k, b, x: self._local(k, b, x, parallel_input=True),
         (*self._params(), self.layout.pad(inputs, -1)),
-        (kernel_spec, bias_spec, self._spec(inputs.ndim, -1)), P())
+        (kernel_spec, bias_spec, self._spec(inputs.ndim, -1)), P(), batch=2)
 
   def _local(self, kernel: Array, bias: Array | None, x: Array, *,
              parallel_input: bool, scatter: bool = False) -> Array:

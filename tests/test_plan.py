@@ -102,7 +102,8 @@ def test_parallelized_model_equals_the_original(meshes, mesh_spec, kind):
 def test_a_column_row_pair_costs_one_all_reduce(meshes):
   """Even sizes under jit: the split activation between up and down stays split (the
   partitioner carries it through gelu), so the forward's only communication over the
-  model axis is the row layer's all-reduce and the embedding's."""
+  model axis is the row layer's all-reduce and the embedding's; each data replica
+  computes its own rows."""
   mesh = meshes["2x4"]
   model = flax_tp.parallelize(Classifier(64, 8, 32, 4, rngs=nnx.Rngs(0)), mesh,
                               CLASSIFIER_PLAN)
@@ -112,6 +113,8 @@ def test_a_column_row_pair_costs_one_all_reduce(meshes):
   found = collectives(hlo, mesh)
   model_ops = [c for c in found if "model" in c.axes]
   assert sorted(c.kind for c in model_ops) == ["all-reduce", "all-reduce"], found
+  # The batch stays split over "data" throughout: no communication over it forward.
+  assert not [c for c in found if "data" in c.axes], found
 
 
 def test_plan_errors_name_the_pattern_and_the_module(meshes):
