@@ -18,17 +18,21 @@ Under ``jax.jit``, a column layer's output stays split over the model axis (the
 partitioner carries the split through elementwise and reshaping code) and the
 row layer that consumes it reads it in place: with sizes the axis divides, a
 column -> row pair costs Megatron's one all-reduce.
+
+``plan=None`` infers the plan from the traced data flow (``plan_inference``).
 """
 
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from flax import nnx
 from jax.sharding import Mesh
 
+from flax_tp import plan_inference
 from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
 from flax_tp.linear import ColumnParallelDense, RowParallelDense
 from flax_tp.mesh import MODEL_AXIS
@@ -43,12 +47,15 @@ _FITS = {"column": nnx.Linear, "row": nnx.Linear, "vocab": nnx.Embed,
 
 @dataclass(frozen=True)
 class _Entry:
-  """One planned module: its path, the module, its style and the pattern that chose it."""
+  """One planned module: its path, the module, its style and what chose it (a plan
+  pattern, or the inference's reason); ``unit`` splits the features in whole heads."""
 
   path: str
   module: nnx.Module
   style: str
   pattern: str | None
+  unit: int = 1
+  reason: str = ""
 
 
 def _style(name: Any, pattern: str) -> str:
@@ -104,9 +111,9 @@ def _parallel_layer(entry: _Entry, mesh: Mesh, axis_name: str) -> nnx.Module | N
                   rngs=nnx.Rngs(0))
     if entry.style == "column":
       layer = ColumnParallelDense(m.in_features, m.out_features, gather_output=False,
-                                  **kwargs)
+                                  shard_unit=entry.unit, **kwargs)
     else:
-      layer = RowParallelDense(m.in_features, m.out_features, **kwargs)
+      layer = RowParallelDense(m.in_features, m.out_features, shard_unit=entry.unit, **kwargs)
   elif entry.style in ("vocab", "embed_features"):
     cls = VocabParallelEmbedding if entry.style == "vocab" else ParallelEmbedding
     layer = cls(m.num_embeddings, m.features, mesh=mesh, axis_name=axis_name, dtype=m.dtype,
@@ -129,8 +136,28 @@ def _set_module(model: nnx.Module, path: str, layer: nnx.Module) -> None:
     setattr(node, last, layer)
 
 
+def _entries(model: nnx.Module, plan: dict[str, str] | None,
+             inputs: Sequence[Any] | None) -> list[_Entry]:
+  """The given plan resolved, or (``plan=None``) one inferred by tracing ``model(*inputs)``."""
+  if plan is not None:
+    return _resolve(model, plan)
+  if inputs is None:
+    raise ValueError("plan=None infers the plan by tracing the forward pass: pass "
+                     "inputs=(example arguments or jax.ShapeDtypeStructs, as model(*inputs))")
+  layers = {".".join(str(p) for p in path): m for path, m in nnx.iter_modules(model)
+            if type(m) in (nnx.Linear, nnx.Embed)}
+  if not layers:
+    raise ValueError("the model has no nnx.Linear or nnx.Embed to parallelize")
+  found = plan_inference.trace(model, {id(m): p for p, m in layers.items()},
+                               tuple(inputs))
+  inferred = plan_inference.infer(layers, found)
+  return [_Entry(path, layers[path], style, None, unit, reason)
+          for path, (style, unit, reason) in inferred.items()]
+
+
 def parallelize(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = None, *,
-                axis_name: str = MODEL_AXIS) -> nnx.Module:
+                inputs: Sequence[Any] | None = None, axis_name: str = MODEL_AXIS
+                ) -> nnx.Module:
   """``model`` with the planned layers tensor-parallel over ``axis_name`` of ``mesh``.
 
   Swaps the modules ``plan`` names (see the module docstring for the styles) for
@@ -140,16 +167,13 @@ def parallelize(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = Non
   gradients. A pattern that matches no module, or a style that does not fit the
   module it matches, is a ``ValueError`` naming them.
 
-  ``plan=None`` (a plan inferred by tracing the forward pass) is not implemented
-  yet: give a plan.
+  ``plan=None``: the plan is inferred by tracing ``model(*inputs)`` abstractly
+  (``flax_tp.plan_inference``); ``explain_plan`` shows it with its reasons.
   """
   if not isinstance(mesh, Mesh) or axis_name not in mesh.axis_names:
     raise ValueError(f"mesh must be a jax.sharding.Mesh with a {axis_name!r} axis "
                      f"(see flax_tp.make_mesh), got {mesh!r}")
-  if plan is None:
-    raise NotImplementedError("parallelize(plan=None): inferring a plan is not implemented "
-                              "yet; pass a plan such as {'*.up': 'column', '*.down': 'row'}")
-  for entry in _resolve(model, plan):
+  for entry in _entries(model, plan, inputs):
     layer = _parallel_layer(entry, mesh, axis_name)
     if layer is not None:
       _set_module(model, entry.path, layer)
@@ -167,16 +191,14 @@ def _shape(shape: tuple[int, ...], layout: ShardLayout | None, dim: int | None) 
 
 
 def explain_plan(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = None, *,
-                 axis_name: str = MODEL_AXIS) -> str:
+                 inputs: Sequence[Any] | None = None, axis_name: str = MODEL_AXIS) -> str:
   """A table of what ``parallelize(model, mesh, plan)`` would do, module by module:
-  style, split dimension, each device's kernel / table shape (largest shard, padding
-  shown) and the collectives of one call. Changes nothing."""
-  if plan is None:
-    raise NotImplementedError("explain_plan(plan=None): inferring a plan is not "
-                              "implemented yet; pass a plan")
+  style, split dimension, each device's kernel / table shape (padding shown), the
+  collectives of one call, and why (the plan's pattern or the inference's reason).
+  Changes nothing."""
   parts = mesh.shape[axis_name]
-  rows = [("module", "style", "split", "per device", "collectives per call")]
-  for e in _resolve(model, plan):
+  rows = [("module", "style", "split", "per device", "collectives per call", "why")]
+  for e in _entries(model, plan, inputs):
     m = e.module
     if isinstance(m, nnx.Linear):
       shape, what = (m.in_features, m.out_features), "kernel"
@@ -189,7 +211,7 @@ def explain_plan(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = No
       local = _shape(shape, None, None) if shape else "-"
       split, comm = "-", "none (replicated)"
     else:
-      layout = ShardLayout(shape[dim], parts)
+      layout = ShardLayout(shape[dim], parts, e.unit)
       local = _shape(shape, layout, dim)
       split = f"{('in', 'out')[dim] if what == 'kernel' else ('rows', 'features')[dim]}"
       comm = {"column": "none forward (output stays split); all-reduce of the input "
@@ -197,9 +219,10 @@ def explain_plan(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = No
               "row": "all-reduce of the output forward",
               "vocab": "all-reduce of the looked-up rows forward",
               "embed_features": "all-gather of the features forward"}[e.style]
-    rows.append((e.path, e.style, split, f"{what} {local}", comm))
-  widths = [max(len(r[i]) for r in rows) for i in range(4)]
-  lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
+    why = e.reason or (f"plan: {e.pattern!r}" if e.pattern else "not in the plan")
+    rows.append((e.path, e.style, split, f"{what} {local}", comm, why))
+  widths = [max(len(r[i]) for r in rows) for i in range(5)]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5]
            for r in rows]
   lines.insert(1, "-" * len(lines[0]))
   lines.append(f"({parts} devices on {axis_name!r}; every other param replicated)")

@@ -9,6 +9,7 @@ from flax import nnx
 from helpers import F32, assert_state_close
 
 import flax_tp
+from flax_tp import ColumnParallelDense, RowParallelDense
 from flax_tp.hlo import collectives
 
 
@@ -64,13 +65,17 @@ def loss_fn(model, x):
 
 
 grad_of = nnx.jit(nnx.value_and_grad(loss_fn))
+apply = nnx.jit(lambda model, x: model(x))
 
 
 @pytest.mark.parametrize("mesh_spec", ["2x4", "1x3"])
-@pytest.mark.parametrize("kind", ["classifier", "block", "fused_block"])
-def test_parallelized_model_equals_the_original(meshes, mesh_spec, kind):
+@pytest.mark.parametrize("kind,given", [("classifier", True), ("block", True),
+                                        ("fused_block", True), ("classifier", False),
+                                        ("block", False), ("fused_block", False)])
+def test_parallelized_model_equals_the_original(meshes, mesh_spec, kind, given):
   """Same values (no re-init), equal outputs and gradients, and an nnx.Optimizer step
-  that gives the same params; 1x3 splits nothing evenly (8 heads, vocab 50)."""
+  that gives the same params, with a given plan and an inferred one (plan=None); 1x3
+  splits nothing evenly (8 heads, vocab 50)."""
   def build():
     if kind == "classifier":
       return Classifier(50, 8, 20, 5, rngs=nnx.Rngs(0)), CLASSIFIER_PLAN
@@ -79,11 +84,21 @@ def test_parallelized_model_equals_the_original(meshes, mesh_spec, kind):
 
   ref, plan = build()
   model, _ = build()
-  flax_tp.parallelize(model, meshes[mesh_spec], plan)
-  assert_state_close(model, ref, rtol=0, atol=0)
   x = (jax.random.randint(jax.random.key(1), (4, 6), 0, 50) if kind == "classifier"
        else jax.random.normal(jax.random.key(1), (4, 6, 16)))
-  np.testing.assert_allclose(model(x), ref(x), **F32)  # standalone, eager
+  if given:
+    flax_tp.parallelize(model, meshes[mesh_spec], plan)
+  else:
+    flax_tp.parallelize(model, meshes[mesh_spec], inputs=(x,))
+    # The inference finds what the hand-written plan says (and the embedding).
+    styles = {"column": ColumnParallelDense, "row": RowParallelDense}
+    for path, style in plan.items():
+      if style in ("colwise", "rowwise"):
+        style = {"colwise": "column", "rowwise": "row"}[style]
+      if style in styles:
+        assert type(getattr(model, path)) is styles[style], path
+  assert_state_close(model, ref, rtol=0, atol=0)
+  np.testing.assert_allclose(apply(model, x), apply(ref, x), **F32)
   value, grads = grad_of(model, x)
   ref_value, ref_grads = grad_of(ref, x)
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
@@ -129,7 +144,7 @@ def test_plan_errors_name_the_pattern_and_the_module(meshes):
     flax_tp.parallelize(model, mesh, {"up": "sideways"})
   with pytest.raises(ValueError, match=r"different styles"):
     flax_tp.parallelize(model, mesh, {"up": "column", "u*": "row"})
-  with pytest.raises(NotImplementedError, match="pass a plan"):
+  with pytest.raises(ValueError, match="plan=None infers the plan by tracing.*inputs="):
     flax_tp.parallelize(model, mesh)
   # Nothing was swapped by the refused calls.
   assert type(model.up) is nnx.Linear and type(model.embed) is nnx.Embed
@@ -144,3 +159,39 @@ def test_explain_plan_shows_shapes_padding_and_collectives(meshes):
   assert "all-reduce of the output forward" in lines["down"]
   assert "replicate" in lines["out"] and "none (replicated)" in lines["out"]
   assert type(model.up) is nnx.Linear  # explaining changes nothing
+  inferred = flax_tp.explain_plan(model, meshes["1x3"],
+                                  inputs=(jax.ShapeDtypeStruct((4, 6), jnp.int32),))
+  lines = {line.split()[0]: line for line in inferred.splitlines()[2:-1]}
+  assert "column" in lines["up"] and "feeds only down" in lines["up"]
+  assert "row" in lines["down"] and "reads only up" in lines["down"]
+  assert "replicate" in lines["out"] and "its output leaves the model" in lines["out"]
+
+
+@pytest.mark.parametrize("mesh_spec,tie", [("2x4", True), ("1x3", False)])
+def test_the_reference_transformer_parallelized_equals_flax_tps(meshes, mesh_spec, tie):
+  """models/reference.py (Llama-style: GQA, SwiGLU, RMSNorm) parallelized with plan=None:
+  q/k/v -> o and gate/up -> down are paired, whole heads; its logits and gradients equal
+  the plain model's, and its logits equal models/transformer.py's from the same seed."""
+  from models.config import TransformerConfig
+  from models.reference import ReferenceTransformer, reference_loss
+  from models.transformer import Transformer
+  cfg = TransformerConfig.preset("llama-tiny", tie_embeddings=tie)
+  mesh = meshes[mesh_spec]
+  tokens = jax.random.randint(jax.random.key(2), (4, 9), 0, cfg.vocab_size)
+  ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  model = flax_tp.parallelize(ReferenceTransformer(cfg, rngs=nnx.Rngs(0)), mesh,
+                              inputs=(tokens[:, :-1],))
+  attn, mlp = model.blocks[1].attn, model.blocks[1].mlp
+  assert all(type(layer) is ColumnParallelDense
+             for layer in (attn.q, attn.k, attn.v, mlp.gate, mlp.up))
+  assert type(attn.o) is RowParallelDense and type(mlp.down) is RowParallelDense
+  assert attn.q.layout.unit == cfg.head_dim  # heads stay whole
+  assert type(model.embed) is flax_tp.VocabParallelEmbedding
+  logits = apply(model, tokens[:, :-1])
+  np.testing.assert_allclose(logits, apply(ref, tokens[:, :-1]), rtol=1e-5, atol=1e-5)
+  mine = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(logits, apply(mine, tokens[:, :-1]), rtol=1e-5, atol=1e-5)
+  loss = nnx.jit(nnx.value_and_grad(lambda m, t: reference_loss(m, t)))
+  (value, grads), (ref_value, ref_grads) = loss(model, tokens), loss(ref, tokens)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+  assert_state_close(grads, ref_grads, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,176 @@
+"""A tensor-parallel plan inferred from how a model computes (``parallelize(plan=None)``).
+
+The forward pass is traced once, abstractly (``jax.make_jaxpr``: no FLOPs), with
+every ``nnx.Linear`` / ``nnx.Embed`` call marked where its input enters and its
+output leaves. Following the data from each layer's output to the layer inputs
+it reaches gives the pairs Megatron would choose:
+
+- a group of linear layers whose outputs reach exactly one linear layer R (not
+  the model's output, not any other layer), where R's input comes from that group
+  alone (no residual mixed in), is a column group feeding row layer R: q, k, v ->
+  o through attention; gate, up -> down through SwiGLU; up -> down through GELU;
+- where a column output is reshaped ``[..., F] -> [..., H, D]`` the split keeps
+  heads whole (``shard_unit=D``), and so does its row layer's;
+- embeddings are split over their vocabulary;
+- every other linear layer stays replicated, with the reason reported.
+
+Names and shapes are never guessed from. Because the swapped layers are exact
+in their standalone form, an inferred plan can cost communication but cannot
+change a result.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.extend import core as jcore
+
+_mark_p = jcore.Primitive("flax_tp_plan_mark")
+_mark_p.def_impl(lambda x, **_: x)
+_mark_p.def_abstract_eval(lambda x, **_: x)
+
+_OUTPUT = "<model output>"
+
+
+def _mark(x: jax.Array, kind: str, path: str) -> jax.Array:
+  return _mark_p.bind(x, kind=kind, path=path)
+
+
+@dataclass
+class Trace:
+  """What the traced forward pass says about each marked layer."""
+
+  reaches: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+  feeds: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+  pure_input: dict[str, bool] = field(default_factory=dict)  # input from layers only
+  head_dim: dict[str, int] = field(default_factory=dict)  # column path -> D of its reshape
+  called: set[str] = field(default_factory=set)
+
+
+def trace(model: nnx.Module, paths: dict[int, str], inputs: Sequence[Any]) -> Trace:
+  """Traces ``model(*inputs)`` with each layer in ``paths`` (``id(module) -> path``)
+  marked, and follows the data between them."""
+  originals = {(cls, name): getattr(cls, name)
+               for cls, name in ((nnx.Linear, "__call__"), (nnx.Embed, "__call__"),
+                                 (nnx.Embed, "attend"))}
+
+  def marked(original):
+    def call(self, x, *args, **kwargs):
+      path = paths.get(id(self))
+      if path is None:
+        return original(self, x, *args, **kwargs)
+      return _mark(original(self, _mark(x, "in", path), *args, **kwargs), "out", path)
+    return call
+
+  try:
+    for (cls, name), original in originals.items():
+      setattr(cls, name, marked(original))
+    closed = jax.make_jaxpr(lambda *xs: model(*xs))(*inputs)
+  finally:
+    for (cls, name), original in originals.items():
+      setattr(cls, name, original)
+  result = Trace()
+  taints: dict[Any, frozenset] = {}
+  outer = frozenset({"<input>"})
+  for v in closed.jaxpr.invars:
+    taints[v] = outer
+  _propagate(closed.jaxpr, taints, result)
+  for v in closed.jaxpr.outvars:
+    for source in _taint(v, taints):
+      if source in paths.values():
+        result.reaches[source].add(_OUTPUT)
+  return result
+
+
+def _taint(v: Any, taints: dict) -> frozenset:
+  return frozenset() if isinstance(v, jcore.Literal) else taints.get(v, frozenset())
+
+
+def _sub_jaxpr(eqn) -> Any:
+  """The one inner jaxpr of a call-like equation whose inputs map one to one, or None."""
+  subs = [p for p in eqn.params.values() if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))]
+  if len(subs) != 1:
+    return None
+  sub = subs[0].jaxpr if isinstance(subs[0], jcore.ClosedJaxpr) else subs[0]
+  if len(sub.invars) != len(eqn.invars) or len(sub.outvars) != len(eqn.outvars):
+    return None
+  return sub
+
+
+def _propagate(jaxpr, taints: dict, result: Trace) -> None:
+  """Forward pass over ``jaxpr``: each value's taint is the set of marked layers whose
+  output it depends on (reset at every layer's output; "<input>" for model inputs)."""
+  for eqn in jaxpr.eqns:
+    ins = [_taint(v, taints) for v in eqn.invars]
+    if eqn.primitive is _mark_p:
+      path, kind = eqn.params["path"], eqn.params["kind"]
+      if kind == "in":
+        result.called.add(path)
+        for source in ins[0]:
+          result.reaches[source].add(path)
+          result.feeds[path].add(source)
+        result.pure_input[path] = result.pure_input.get(path, True) and bool(ins[0]) and all(
+            source != "<input>" for source in ins[0])
+        taints[eqn.outvars[0]] = ins[0]
+      else:
+        taints[eqn.outvars[0]] = frozenset({path})
+      continue
+    sub = _sub_jaxpr(eqn)
+    if sub is not None:  # a nested jit, custom_jvp/vjp or call: look inside
+      inner = {iv: t for iv, t in zip(sub.invars, ins, strict=True)}
+      _propagate(sub, inner, result)
+      for ov, iv in zip(eqn.outvars, sub.outvars, strict=True):
+        taints[ov] = _taint(iv, inner)
+      continue
+    union = frozenset().union(*ins) if ins else frozenset()
+    for ov in eqn.outvars:
+      taints[ov] = union
+    if eqn.primitive.name == "reshape" and len(ins[0]) == 1:
+      (source,) = ins[0]
+      before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+      # [..., F] -> [..., H, D]: the heads of source's output (whole heads stay on a device)
+      if (len(after) == len(before) + 1 and after[:-2] == before[:-1]
+          and after[-2] * after[-1] == before[-1] and source not in result.head_dim):
+        result.head_dim[source] = after[-1]
+
+
+def infer(entries_by_path: dict[str, nnx.Module], found: Trace) -> dict[str, tuple]:
+  """``{path: (style, unit, reason)}`` for every layer from the traced data flow."""
+  plan: dict[str, tuple] = {}
+  linears = {p for p, m in entries_by_path.items() if type(m) is nnx.Linear}
+  for path, module in entries_by_path.items():
+    if type(module) is nnx.Embed:
+      plan[path] = ("vocab", 1, "embedding: split over its vocabulary")
+  for row in sorted(linears):
+    group = found.feeds.get(row, set())
+    if not group or not group <= linears or not found.pure_input.get(row, False):
+      continue
+    if any(found.reaches.get(col, set()) != {row} for col in group):
+      continue
+    units = {found.head_dim.get(col, 1) for col in group}
+    unit = units.pop() if len(units) == 1 else 1
+    names = ", ".join(sorted(group))
+    for col in group:
+      plan[col] = ("column", unit if entries_by_path[col].out_features % unit == 0 else 1,
+                   f"feeds only {row}" + (f" (heads of {unit})" if unit > 1 else ""))
+    row_unit = unit if entries_by_path[row].in_features % unit == 0 else 1
+    plan[row] = ("row", row_unit, f"reads only {names}: one all-reduce")
+  for path in entries_by_path:
+    if path in plan:
+      continue
+    reached = found.reaches.get(path, set())
+    if path not in found.called:
+      why = "not called in the traced forward pass"
+    elif _OUTPUT in reached:
+      why = "its output leaves the model"
+    elif len(reached) > 1:
+      why = f"its output reaches several layers ({', '.join(sorted(reached))})"
+    else:
+      why = "its reader also reads other values (e.g. a residual)"
+    plan[path] = ("replicate", 1, f"kept whole: {why}")
+  return {path: plan[path] for path in entries_by_path}  # in the model's order
