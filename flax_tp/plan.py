@@ -51,6 +51,7 @@ class _Entry:
   pattern, or the inference's reason); ``unit`` splits the features in whole heads."""
 
   path: str
+  parts: tuple  # the path as nnx gives it: attribute names and list indices
   module: nnx.Module
   style: str
   pattern: str | None
@@ -74,10 +75,10 @@ def _resolve(model: nnx.Module, plan: dict[str, str]) -> list[_Entry]:
   styles = {pattern: _style(name, pattern) for pattern, name in plan.items()}
   used: set[str] = set()
   entries = []
-  for path_parts, module in nnx.iter_modules(model):
-    if not path_parts:
+  for parts, module in nnx.iter_modules(model):
+    if not parts:
       continue
-    path = ".".join(str(p) for p in path_parts)
+    path = ".".join(str(p) for p in parts)
     matches = [p for p in styles if fnmatch.fnmatchcase(path, p)]
     used.update(matches)
     chosen = {styles[p] for p in matches}
@@ -91,9 +92,9 @@ def _resolve(model: nnx.Module, plan: dict[str, str]) -> list[_Entry]:
         raise ValueError(f"style {style!r} (pattern {matches[0]!r}) does not fit module "
                          f"{path!r}, a {type(module).__name__}: it needs an "
                          f"nnx.{fits.__name__}")
-      entries.append(_Entry(path, module, style, matches[0]))
+      entries.append(_Entry(path, parts, module, style, matches[0]))
     elif type(module) in (nnx.Linear, nnx.Embed):
-      entries.append(_Entry(path, module, "replicate", None))
+      entries.append(_Entry(path, parts, module, "replicate", None))
   unused = [p for p in styles if p not in used]
   if unused:
     raise ValueError(f"plan patterns match no module: {unused} (module paths look like "
@@ -124,16 +125,15 @@ def _parallel_layer(entry: _Entry, mesh: Mesh, axis_name: str) -> nnx.Module | N
   return layer
 
 
-def _set_module(model: nnx.Module, path: str, layer: nnx.Module) -> None:
-  *parents, last = path.split(".")
+def _set_module(model: nnx.Module, parts: tuple, layer: nnx.Module) -> None:
+  """Puts ``layer`` where ``parts`` (attribute names, list indices) lead in ``model``."""
   node: Any = model
-  for part in parents:
-    node = node[int(part)] if part.isdigit() and not hasattr(node, part) else getattr(node,
-                                                                                       part)
-  if last.isdigit() and not hasattr(node, last):
-    node[int(last)] = layer
+  for part in parts[:-1]:
+    node = node[part] if isinstance(part, int) else getattr(node, part)
+  if isinstance(parts[-1], int):
+    node[parts[-1]] = layer
   else:
-    setattr(node, last, layer)
+    setattr(node, parts[-1], layer)
 
 
 def _entries(model: nnx.Module, plan: dict[str, str] | None,
@@ -144,14 +144,16 @@ def _entries(model: nnx.Module, plan: dict[str, str] | None,
   if inputs is None:
     raise ValueError("plan=None infers the plan by tracing the forward pass: pass "
                      "inputs=(example arguments or jax.ShapeDtypeStructs, as model(*inputs))")
-  layers = {".".join(str(p) for p in path): m for path, m in nnx.iter_modules(model)
-            if type(m) in (nnx.Linear, nnx.Embed)}
+  found_layers = [(parts, m) for parts, m in nnx.iter_modules(model)
+                  if type(m) in (nnx.Linear, nnx.Embed)]
+  layers = {".".join(str(p) for p in parts): m for parts, m in found_layers}
+  parts_of = {".".join(str(p) for p in parts): parts for parts, _ in found_layers}
   if not layers:
     raise ValueError("the model has no nnx.Linear or nnx.Embed to parallelize")
   found = plan_inference.trace(model, {id(m): p for p, m in layers.items()},
                                tuple(inputs))
   inferred = plan_inference.infer(layers, found)
-  return [_Entry(path, layers[path], style, None, unit, reason)
+  return [_Entry(path, parts_of[path], layers[path], style, None, unit, reason)
           for path, (style, unit, reason) in inferred.items()]
 
 
@@ -176,7 +178,7 @@ def parallelize(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = Non
   for entry in _entries(model, plan, inputs):
     layer = _parallel_layer(entry, mesh, axis_name)
     if layer is not None:
-      _set_module(model, entry.path, layer)
+      _set_module(model, entry.parts, layer)
   replicate_on_mesh(model, mesh)
   return model
 
