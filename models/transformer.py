@@ -250,7 +250,7 @@ class ParallelMLP(nnx.Module):
       gate, up = flax_tp.fused_column_parallel((self.gate, self.up), x_bsd)
       hidden = jax.nn.silu(gate) * up
     else:
-      hidden = jax.nn.gelu(self.up(flax_tp.copy_to_parallel(x_bsd)))
+      hidden = jax.nn.gelu(self.up(x_bsd))
     return self.down(hidden if seq is None else seq.for_scatter(hidden))
 
 
