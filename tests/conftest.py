@@ -3,8 +3,11 @@
 import os
 import tempfile
 
+# A busy host may hold a simulated device's thread back for a while: let collectives
+# wait longer than XLA's 40 s before it aborts the process (as train/run.py does).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+                           " --xla_force_host_platform_device_count=8"
+                           " --xla_cpu_collective_call_terminate_timeout_seconds=600").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Token caches of the tests' corpora go to a folder of this run, not the user's.
 os.environ.setdefault("FLAX_TP_CACHE", tempfile.mkdtemp(prefix="flax_tp_test_cache_"))

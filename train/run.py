@@ -199,11 +199,22 @@ def check_writable_file(flag: str, path: Path) -> None:
     raise UsageError(f"{flag} {str(path)!r}: folder {str(parent)!r} is not writable")
 
 
+# Simulated CPU devices are threads sharing the host's cores. XLA aborts the whole
+# process when a collective's threads have not all arrived within 40 s, which a busy
+# host can cause without any hang (seen once: a run's end-of-training sample on 1x8
+# while another 8-device process compiled on the same 2 cores). Wait longer.
+CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+
+
 def provide_cpu_devices(count: int) -> None:
-  """Asks XLA's CPU platform for ``count`` devices unless the user chose a number."""
+  """Asks XLA's CPU platform for ``count`` devices unless the user chose a number, and
+  lets their collectives wait out a busy host (``CPU_COLLECTIVE_TIMEOUT_FLAG``)."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    flags = f"{flags} --xla_force_host_platform_device_count={count}"
+  if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
+    flags = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}"
+  os.environ["XLA_FLAGS"] = flags.strip()
 
 
 def provide_mesh_devices(mesh: str, processes: int = 1) -> None:
