@@ -80,7 +80,7 @@ class VocabParallelEmbedding(_ParallelEmbed):
   ``__call__(ids [...])`` -> ``[..., features]`` replicated: each device looks up
   the ids in its own range (others give zero) and one all-reduce sums them.
   ``attend(x [..., features])`` -> logits: standalone ``[..., num_embeddings]``
-  like ``nnx.Embed.attend``; inside ``shard_map`` this device's padded shard
+  like ``nnx.Embed.attend``, left sharded over the vocabulary; inside ``shard_map`` this device's padded shard
   ``[..., vocab_pad]`` of the logits (padded columns are zero), for
   ``vocab_parallel_cross_entropy``, which never gathers the full logits.
 
@@ -130,18 +130,19 @@ class VocabParallelEmbedding(_ParallelEmbed):
 
   def attend(self, query: Array) -> Array:
     if self._is_local():
-      return self._attend(self.embedding[...], query, gather=False)
-    return self._run_standalone(lambda t, q: self._attend(t, q, gather=True),
-                                (self.embedding[...], query), (self._spec(2, 0), P()), P(),
-                                batch=1)
+      return self._attend(self.embedding[...], query)
+    # Standalone the logits stay split over the vocabulary (a global array sharded
+    # on its last axis): a loss over them then reduces [..]-sized maxima and sums
+    # across devices instead of gathering [..., num_embeddings].
+    logits = self._run_standalone(self._attend, (self.embedding[...], query),
+                                  (self._spec(2, 0), P()), self._spec(query.ndim, -1),
+                                  batch=1, share_input=True)
+    return self.layout.unpad(logits, -1)
 
-  def _attend(self, table: Array, query: Array, *, gather: bool) -> Array:
+  def _attend(self, table: Array, query: Array) -> Array:
     table = masked(table, self.layout, 0, self.axis_name)
     query, table = self.promote_dtype((query, table), dtype=self.dtype)
-    logits = jnp.dot(copy_to_parallel(query, self.axis_name), table.T)
-    if not gather:
-      return logits
-    return self.layout.unpad(all_gather(logits, axis=-1, axis_name=self.axis_name), -1)
+    return jnp.dot(copy_to_parallel(query, self.axis_name), table.T)
 
 
 class ParallelEmbedding(_ParallelEmbed):

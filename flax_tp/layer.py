@@ -11,10 +11,12 @@ A layer runs in one of two contexts, read from JAX at call time:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -23,7 +25,7 @@ from flax_tp.mesh import DATA_AXIS
 from flax_tp.state import partition_names, place_on_mesh
 
 
-def _tracing(args: Sequence[Any]) -> bool:
+def is_traced(args: Sequence[Any]) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
 
 
@@ -57,27 +59,106 @@ class ParallelModule(nnx.Module):
 
   def _run_standalone(self, local_fn: Callable[..., Any], args: Sequence[Any],
                       in_specs: Sequence[Any], out_specs: Any, *,
-                      batch: int | None = None, min_ndim: int = 2) -> Any:
+                      batch: int | None = None, min_ndim: int = 2,
+                      share_input: bool = False) -> Any:
     """Runs ``local_fn`` on local shards under this layer's own ``shard_map``.
 
     ``batch``: the index in ``args`` of the activation (ids) whose leading axis
-    is the batch. When the mesh has a ``"data"`` axis that divides it (and the
-    activation has at least ``min_ndim`` dims), that axis and the output's
-    leading axis are split over ``"data"``, so each data replica computes only
-    its rows (the params' gradients are summed over ``"data"`` by the map).
+    is the batch; the other array arguments are params. When the mesh has a
+    ``"data"`` axis that divides the batch (and the activation has at least
+    ``min_ndim`` dims), that axis and the output's leading axis are split over
+    ``"data"``, so each data replica computes only its rows.
+
+    Traced (under ``jit`` or a gradient), gradient sums go through shared
+    per-device copies (``per_device_copies``) instead of each map's own:
+    the params are read as copies per data replica, so a param used by several
+    layers (a tied embedding) has its gradient summed over ``"data"`` once; and
+    with ``share_input`` the activation (replicated over the model axis) is read
+    as copies per model device, so the column layers reading one input sum
+    their input gradients before one all-reduce.
     """
-    x = args[batch] if batch is not None else None
+    args, in_specs = list(args), list(in_specs)
+    split = batch is not None and self._splits_batch(args[batch], min_ndim)
+    data = (DATA_AXIS,) if split else ()
+    if split:
+      out_specs = P(DATA_AXIS, *tuple(out_specs)[1:])
+    if not is_traced(args):
+      # No gradient to share. Compile the map as one program: eager shard_map
+      # would dispatch (and compile) every operation of the layer on its own.
+      if split:
+        in_specs[batch] = P(DATA_AXIS, *tuple(in_specs[batch])[1:])
+      return jax.jit(jax.shard_map(local_fn, mesh=self.mesh, in_specs=tuple(in_specs),
+                                   out_specs=out_specs, check_vma=True))(*args)
+    copied = []  # arguments passed as [copies, ...]: the map takes copy [0]
+    for i, (arg, spec) in enumerate(zip(args, in_specs, strict=True)):
+      if i == batch:
+        if share_input and tuple(spec) == () and self.parallel_size > 1:
+          args[i] = per_device_copies(arg, self.mesh, self.axis_name, P(*data))
+          in_specs[i] = P(self.axis_name, *data)
+          copied.append(i)
+        elif split:
+          in_specs[i] = P(DATA_AXIS, *tuple(spec)[1:])
+      elif split and arg is not None:
+        args[i] = per_device_copies(arg, self.mesh, DATA_AXIS, spec)
+        in_specs[i] = P(DATA_AXIS, *spec)
+        copied.append(i)
+
+    def local(*local_args):
+      return local_fn(*(a[0] if i in copied else a for i, a in enumerate(local_args)))
+
+    return jax.shard_map(local, mesh=self.mesh, in_specs=tuple(in_specs),
+                         out_specs=out_specs, check_vma=True)(*args)
+
+  def _splits_batch(self, x: Any, min_ndim: int = 2) -> bool:
+    """Whether the standalone map splits ``x``'s leading (batch) axis over ``"data"``."""
     size = self.mesh.shape.get(DATA_AXIS, 1)
-    if x is not None and size > 1 and x.ndim >= min_ndim and x.shape[0] % size == 0:
-      lead = lambda spec: P(DATA_AXIS, *tuple(spec)[1:])
-      in_specs = [lead(s) if i == batch else s for i, s in enumerate(in_specs)]
-      out_specs = lead(out_specs)
-    mapped = jax.shard_map(local_fn, mesh=self.mesh, in_specs=tuple(in_specs),
-                           out_specs=out_specs, check_vma=True)
-    # Outside any trace, compile the map as one program: eager shard_map would
-    # dispatch (and compile) every operation of the layer on its own.
-    return mapped(*args) if _tracing(args) else jax.jit(mapped)(*args)
+    return size > 1 and x.ndim >= min_ndim and x.shape[0] % size == 0
 
   def _spec(self, ndim: int, dim: int | None) -> P:
     """Spec of a rank-``ndim`` array split over the model axis on ``dim``."""
     return P(*partition_names(ndim, dim, self.axis_name, self.parallel_size))
+
+
+class _Copies:
+  """The per-device copies of one array, kept while that array is alive."""
+
+  def __init__(self, x: jax.Array, key: tuple, copies: jax.Array):
+    def forget(ref: weakref.ref) -> None:  # x is gone: so is any use of its copies
+      if (entry := _COPIES.get(key)) is not None and entry.x is ref:
+        del _COPIES[key]
+
+    self.x = weakref.ref(x, forget)
+    self.trace = jax.extend.core.get_opaque_trace_state()
+    self.copies = copies
+
+
+# (id of the array, mesh, axis, its spec) -> its copies; an entry lives as long
+# as the array it copies (a traced value: until its trace is done).
+_COPIES: dict[tuple, _Copies] = {}
+
+
+def per_device_copies(x: jax.Array, mesh: Mesh, axis_name: str, spec: P) -> jax.Array:
+  """``x`` (global, laid out by ``spec`` and replicated over ``axis_name``) as
+  ``[parts, *x.shape]``, sharded over ``axis_name`` on the new leading axis: one
+  copy per device of that axis.
+
+  Identity in the forward pass, with no communication. In the backward pass the
+  copies' cotangents are summed with one all-reduce over ``axis_name``: Megatron's
+  ``f`` (or data parallelism's gradient sum) hoisted out of the layers' maps. The
+  layers that read the same ``x`` in one trace get the same copies (they are
+  kept while ``x`` lives, and reused within the trace that made them), so
+  autodiff adds their per-device cotangents first and one all-reduce sends the
+  sum: q, k and v (or gate and up) share one for their input gradient, and a
+  tied embedding's two uses one for its gradient over ``"data"``.
+  """
+  key = (id(x), mesh, axis_name, spec)
+  entry = _COPIES.get(key)
+  if (entry is not None and entry.x() is x
+      and entry.trace == jax.extend.core.get_opaque_trace_state()):
+    return entry.copies
+  fan_out = jax.shard_map(lambda v: jax.lax.pcast(v[None], axis_name, to="varying"),
+                          mesh=mesh, in_specs=spec, out_specs=P(axis_name, *spec),
+                          check_vma=True)
+  copies = fan_out(x)
+  _COPIES[key] = _Copies(x, key, copies)
+  return copies

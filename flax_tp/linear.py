@@ -141,7 +141,8 @@ class ColumnParallelDense(_ParallelDense):
     out_spec = P() if self.gather_output else self._spec(inputs.ndim, -1)
     y = self._run_standalone(
         lambda k, b, x: self._local(k, b, x, gather=self.gather_output),
-        (*self._params(), inputs), (kernel_spec, bias_spec, P()), out_spec, batch=2)
+        (*self._params(), inputs), (kernel_spec, bias_spec, P()), out_spec, batch=2,
+        share_input=True)
     return y if self.gather_output else self.layout.unpad(y, -1)
 
   def _local_params(self, kernel: Array, bias: Array | None) -> tuple[Array, Array | None]:

@@ -17,7 +17,12 @@ replicated. Each swapped layer runs in its standalone form (its own
 Under ``jax.jit``, a column layer's output stays split over the model axis (the
 partitioner carries the split through elementwise and reshaping code) and the
 row layer that consumes it reads it in place: with sizes the axis divides, a
-column -> row pair costs Megatron's one all-reduce.
+column -> row pair costs Megatron's one all-reduce. Column layers that read one
+input (q, k, v; gate, up) share one backward all-reduce of its gradient, a param
+used twice (a tied embedding) is summed over ``"data"`` once
+(``flax_tp.layer.per_device_copies``), and a tied head's logits stay split over
+the vocabulary, so the plain loss reduces ``[b, s]`` sums across devices instead
+of gathering ``[b, s, vocab]``.
 
 ``plan=None`` infers the plan from the traced data flow (``plan_inference``).
 """
@@ -216,8 +221,8 @@ def explain_plan(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = No
       layout = ShardLayout(shape[dim], parts, e.unit)
       local = _shape(shape, layout, dim)
       split = f"{('in', 'out')[dim] if what == 'kernel' else ('rows', 'features')[dim]}"
-      comm = {"column": "none forward (output stays split); all-reduce of the input "
-                        "gradient in backward",
+      comm = {"column": "none forward (output stays split); backward: all-reduce of the "
+                        "input gradient, one for all columns reading that input",
               "row": "all-reduce of the output forward",
               "vocab": "all-reduce of the looked-up rows forward",
               "embed_features": "all-gather of the features forward"}[e.style]

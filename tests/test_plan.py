@@ -1,5 +1,7 @@
 """flax_tp.parallelize / explain_plan on models written without flax_tp in mind."""
 
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,17 +168,37 @@ def test_explain_plan_shows_shapes_padding_and_collectives(meshes):
   assert "replicate" in lines["out"] and "its output leaves the model" in lines["out"]
 
 
-@pytest.mark.parametrize("mesh_spec,tie", [("2x4", True), ("1x3", False)])
-def test_the_reference_transformer_parallelized_equals_flax_tps(meshes, mesh_spec, tie):
+def _shapes(found):
+  """Each collective's arrays as (kind, axes, shape without leading 1s): what it moves."""
+  def strip(shape):
+    while shape and shape[0] == 1:
+      shape = shape[1:]
+    return shape
+  return Counter((c.kind, c.axes, dtype, strip(shape)) for c in found
+                 for dtype, shape in c.operands)
+
+
+# 2x4 with sizes that divide (8 heads, 4 kv heads, d_ff 96, vocab 256, tied), then 1x3 where
+# nothing does (llama-tiny: 6 heads, 2 kv heads, vocab 259; untied).
+EVEN = dict(num_heads=8, num_kv_heads=4, d_ff=96, vocab_size=256, tie_embeddings=True)
+
+
+@pytest.mark.parametrize("mesh_spec,sizes", [("2x4", EVEN), ("1x3", dict(tie_embeddings=False))])
+def test_the_reference_transformer_parallelized_equals_flax_tps(meshes, mesh_spec, sizes):
   """models/reference.py (Llama-style: GQA, SwiGLU, RMSNorm) parallelized with plan=None:
   q/k/v -> o and gate/up -> down are paired, whole heads; its logits and gradients equal
-  the plain model's, and its logits equal models/transformer.py's from the same seed."""
+  the plain model's, and its logits equal models/transformer.py's from the same seed.
+  With even sizes its compiled gradient step moves what models/transformer.py's does:
+  the same collectives, plus the one [b, s] sum the plain loss's backward needs."""
   from models.config import TransformerConfig
   from models.reference import ReferenceTransformer, reference_loss
   from models.transformer import Transformer
-  cfg = TransformerConfig.preset("llama-tiny", tie_embeddings=tie)
+  from train.step import Trainer
+  cfg = TransformerConfig.preset("llama-tiny", **sizes)
   mesh = meshes[mesh_spec]
   tokens = jax.random.randint(jax.random.key(2), (4, 9), 0, cfg.vocab_size)
+  tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+      "data" if mesh.shape["data"] > 1 else None)))
   ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
   model = flax_tp.parallelize(ReferenceTransformer(cfg, rngs=nnx.Rngs(0)), mesh,
                               inputs=(tokens[:, :-1],))
@@ -190,7 +212,24 @@ def test_the_reference_transformer_parallelized_equals_flax_tps(meshes, mesh_spe
   np.testing.assert_allclose(logits, apply(ref, tokens[:, :-1]), rtol=1e-5, atol=1e-5)
   mine = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0))
   np.testing.assert_allclose(logits, apply(mine, tokens[:, :-1]), rtol=1e-5, atol=1e-5)
-  loss = nnx.jit(nnx.value_and_grad(lambda m, t: reference_loss(m, t)))
-  (value, grads), (ref_value, ref_grads) = loss(model, tokens), loss(ref, tokens)
+
+  graphdef, params = nnx.split(model, nnx.Param)
+  step = jax.jit(jax.value_and_grad(lambda p, t: reference_loss(nnx.merge(graphdef, p), t)))
+  compiled = step.lower(params, tokens).compile()
+  value, grads = compiled(params, tokens)
+  ref_value, ref_grads = nnx.jit(nnx.value_and_grad(lambda m, t: reference_loss(m, t)))(
+      ref, tokens)
   np.testing.assert_allclose(value, ref_value, rtol=1e-6)
   assert_state_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
+  if sizes is not EVEN:
+    return
+  trainer = Trainer(mine, optax.sgd(0.1))
+  hand_written = jax.jit(trainer.loss_and_grads).lower(trainer.params, tokens).compile()
+  ours, theirs = (_shapes(collectives(c.as_text(), mesh)) for c in (compiled, hand_written))
+  # Column layers reading one input share their backward all-reduce, the tied embedding's
+  # gradient is summed over "data" once, and the tied head's logits stay split. The one
+  # extra all-reduce is the plain loss's: log_softmax's backward sums its cotangent over
+  # the vocabulary, which flax_tp's vocab-parallel cross-entropy knows to be 1.
+  local_batch = tokens.shape[0] // mesh.shape["data"]
+  assert ours - theirs == Counter({("all-reduce", ("model",), "f32", (local_batch, 8)): 1})
+  assert not theirs - ours
