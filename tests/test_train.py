@@ -186,11 +186,12 @@ def test_data_folder_and_split(tmp_path):
 OPTIONS = ["--sequence-parallel", "--remat", "dots_saveable", "--scan-layers"]
 
 
-@pytest.mark.parametrize("mesh_spec", ["1x2", "1x8", "2x4"])
+@pytest.mark.parametrize("mesh_spec", ["1x8", "2x4"])
 def test_memory_options_change_no_loss(tmp_path, corpus, dropout_runs, mesh_spec):
   """Sequence parallelism, recomputation and scanned layers together give the plain
-  run's losses over 4 steps (uneven sequence, dropout on); on 1x8 the options'
-  checkpoint resumes without them. (Each option alone: test_transformer.py.)"""
+  run's losses over 4 steps (uneven sequence: 13 positions over 8 and over 4; dropout
+  on); on 1x8 the options' checkpoint resumes without them. (Each option alone:
+  test_transformer.py.)"""
   options = OPTIONS
   ck = tmp_path / "ck"
   run = train(tmp_path, corpus, "options", "--mesh", mesh_spec, *DROPOUT_RUN, *options,
