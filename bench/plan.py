@@ -103,17 +103,19 @@ def main(argv=None) -> int:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import flax_tp
-  from bench import peers
+  from bench import meshes_or_exit, peers
   from models.transformer import Transformer
   from train.step import Trainer, make_optimizer
 
+  specs = [m.strip() for m in args.meshes.split(",") if m.strip()]
+  meshes_or_exit(specs, "bench.plan")
   cfg = bench_config(args.preset, args.layers, args.seq_len)
   tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10)
   tokens_host = peers.tokens_for(cfg, args.batch_size, args.seq_len)
   results = {"command": "python -m bench.plan " + " ".join(
                  argv if argv is not None else sys.argv[1:]),
              "jax": jax.__version__, "config": cfg.__dict__, "meshes": {}}
-  for spec in [m.strip() for m in args.meshes.split(",") if m.strip()]:
+  for spec in specs:
     mesh = flax_tp.make_mesh(spec)
     batch = P("data" if mesh.shape["data"] > 1 else None)
     tokens = jax.device_put(tokens_host, NamedSharding(mesh, batch))

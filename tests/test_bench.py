@@ -9,8 +9,8 @@ from models.config import TransformerConfig
 def test_bench_smoke(tmp_path):
   out = tmp_path / "results.json"
   # One mesh keeps it short; the Dx1 data-parallel peer is the same code path.
-  assert main(["--preset", "tiny", "--repeats", "1", "--meshes", "2x4",
-               "--skip", "hostmem,scaling", "--out", str(out)]) == 0
+  assert main(["--preset", "tiny", "--repeats", "1", "--meshes", "2x4", "--batch-size", "8",
+               "--seq-len", "16", "--skip", "hostmem,scaling", "--out", str(out)]) == 0
   results = json.loads(out.read_text())
   audit = results["meshes"]["2x4"]["audit"]
   # The audit is exact: Megatron's minimum, nothing more (clipping's scalars aside).
@@ -101,3 +101,15 @@ def test_gspmd_peers_shard_every_matrix_but_the_norms():
       is_norm_or_row_bias = path[-2] in ("ln1", "ln2", "ln_f") or path[-2:] in (
           ("o", "bias"), ("down", "bias"))
       assert replicated == is_norm_or_row_bias, (path, spec)
+
+
+def test_plan_bench_smoke(tmp_path):
+  from bench.plan import main as plan_main
+  out = tmp_path / "plan.json"
+  assert plan_main(["--preset", "tiny", "--meshes", "2x4", "--repeats", "1", "--batch-size", "8",
+                    "--seq-len", "16", "--out", str(out)]) == 0
+  entry = json.loads(out.read_text())["meshes"]["2x4"]
+  # The parallelized plain model sends what the hand-written one does, plus the plain
+  # loss's one [b, s] sum over the vocabulary (4 rows of 16 per data replica).
+  assert entry["only_parallelized"] == [["all-reduce", "model", "f32", [4, 16], 1]]
+  assert entry["parallelized"]["step_s"] > 0 and entry["flax_tp"]["step_s"] > 0
