@@ -18,6 +18,7 @@ from flax_tp.plan import explain_plan, parallelize
 from flax_tp.sampling import vocab_parallel_sample
 from flax_tp.state import (
     load_unsharded,
+    logical_norm,
     place_on_mesh,
     replicate_on_mesh,
     stack_layers,
@@ -37,6 +38,7 @@ __all__ = [
     "kept_token_count",
     "KVHeadLayout",
     "load_unsharded",
+    "logical_norm",
     "make_mesh",
     "MODEL_AXIS",
     "ParallelEmbedding",

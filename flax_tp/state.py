@@ -131,6 +131,35 @@ def _is_param(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
+def logical_norm(tree: Any) -> jax.Array:
+  """The L2 norm of the logical values of ``tree``: what ``optax.tree.norm`` gives on
+  ``unshard(tree)``, without gathering anything.
+
+  ``tree``: params or their gradients as flax_tp stores them (an ``nnx.State`` of
+  params with their metadata, global arrays on the mesh; plain arrays count as they
+  are). Padding is zero and adds nothing; a kv head replicated over several devices
+  (``KVHeadLayout``) is stored once per copy, and each copy counts ``1 / copies``, so
+  the head counts once. The norm of the stored arrays would count it once per copy,
+  and gradient clipping would then scale a GQA model's step differently on each
+  mesh. On the mesh this is one scalar sum per param (partial sums + all-reduce).
+  """
+  total = None
+  for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    value = leaf[...] if isinstance(leaf, nnx.Variable) else leaf
+    squares = jnp.square(value)
+    layout, dim = _layout_of(leaf)
+    if isinstance(layout, KVHeadLayout) and layout.replicated:
+      positions = layout.stored_positions().reshape(-1)  # logical element per stored one
+      copies = np.bincount(positions, minlength=layout.size + 1)
+      weights = np.where(positions < layout.size, 1.0 / copies[positions], 0.0)
+      shape = [1] * value.ndim
+      shape[dim] = weights.size
+      squares = squares * weights.reshape(shape).astype(squares.dtype)
+    part = jnp.sum(squares)
+    total = part if total is None else total + part
+  return jnp.sqrt(total) if total is not None else jnp.zeros(())
+
+
 def gather_to_host(value: jax.Array) -> np.ndarray:
   """The whole value of a global array on this host."""
   if isinstance(value, jax.Array) and not value.is_fully_addressable:

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from helpers import assert_padding_zero, assert_state_close
@@ -12,7 +13,7 @@ from flax_tp.hlo import collectives, tally
 from models.config import TransformerConfig
 from models.reference import ReferenceTransformer, reference_loss
 from models.transformer import Transformer
-from train.step import Trainer, make_optimizer
+from train.step import Trainer, clip_by_logical_norm, make_optimizer
 
 CFG = TransformerConfig.tiny()  # 6 heads, d_ff 90, vocab 259: none divide 4 or 8
 TOKENS = jax.random.randint(jax.random.key(1), (8, CFG.max_seq_len + 1), 0, CFG.vocab_size)
@@ -191,10 +192,20 @@ def test_grouped_query_attention_equivalence(meshes, llama_references, kv_heads,
   loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
   np.testing.assert_allclose(loss, ref_losses[0], rtol=1e-6)
   assert_state_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
+  # Clipping sees the logical gradient: a replicated kv head counts once, not once per
+  # copy (the stored arrays' norm is 1.19x the true one on 1x8). Above the threshold,
+  # SGD after clipping moves the params as the plain model's clipped step does.
+  ref_norm = optax.tree.norm(ref_grads)
+  np.testing.assert_allclose(flax_tp.logical_norm(grads), ref_norm, rtol=1e-5)
+  clip = lambda clipper, g: clipper(float(ref_norm) / 2).update(g, None)[0]
+  assert_state_close(clip(clip_by_logical_norm, grads),
+                     clip(optax.clip_by_global_norm, ref_grads), rtol=1e-4, atol=1e-6)
   params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
   losses = []
   for _ in range(STEPS):
     params, opt_state, out = trainer.train_step(params, opt_state, tokens, None)
+    if not losses:
+      np.testing.assert_allclose(out["grad_norm"], ref_norm, rtol=1e-5)
     losses.append(float(out["loss"]))
   # Adam's first steps move a param by ~lr * sign(grad): where a gradient is ~0,
   # summation order (the kv-gradient sum, 8 devices) can move it by up to 1e-4

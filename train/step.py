@@ -50,7 +50,22 @@ def make_optimizer(*, lr: float, steps: int, warmup_steps: int = 0, weight_decay
   schedule = optax.warmup_cosine_decay_schedule(
       0.0 if warmup_steps else lr, lr, warmup_steps, max(steps, warmup_steps + 1), lr * 0.1)
   adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=_decay_mask)
-  return optax.chain(optax.clip_by_global_norm(grad_clip), adamw) if grad_clip > 0 else adamw
+  return optax.chain(clip_by_logical_norm(grad_clip), adamw) if grad_clip > 0 else adamw
+
+
+def clip_by_logical_norm(max_norm: float) -> optax.GradientTransformation:
+  """``optax.clip_by_global_norm`` (the same formula) with the norm of the logical
+  gradients (``flax_tp.logical_norm``): padding adds nothing and a replicated kv head
+  counts once, so clipping scales the step as it does for the plain model."""
+
+  def update(updates, state, params=None):
+    del params
+    norm = flax_tp.logical_norm(updates)
+    keep = norm < max_norm
+    return jax.tree.map(
+        lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +162,7 @@ class Trainer:
     loss, grads = self.loss_and_grads(params, tokens, key)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    return params, opt_state, {"loss": loss, "grad_norm": flax_tp.logical_norm(grads)}
 
   def _eval_loss(self, params, tokens):
     # Plain cross-entropy (no smoothing, no z-loss): comparable across runs.
