@@ -131,6 +131,26 @@ def _is_param(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
+def _replica_weights(layout: ShardLayout) -> np.ndarray | None:
+  """``[parts, padded_size]``: how much each stored element counts in a norm, ``1 /
+  copies`` of the logical element it holds (0 for padding); None when each counts once."""
+  if not (isinstance(layout, KVHeadLayout) and layout.replicated):
+    return None
+  positions = layout.stored_positions()  # the logical element each stored one holds
+  copies = np.bincount(positions.reshape(-1), minlength=layout.size + 1)
+  return np.where(positions < layout.size, 1.0 / copies[positions], 0.0)
+
+
+def _sum_of_squares(value: jax.Array, weights: np.ndarray | jax.Array | None,
+                    dim: int | None) -> jax.Array:
+  squares = jnp.square(value)
+  if weights is not None:
+    shape = [1] * value.ndim
+    shape[dim] = -1
+    squares = squares * jnp.reshape(weights, shape).astype(squares.dtype)
+  return jnp.sum(squares)
+
+
 def logical_norm(tree: Any) -> jax.Array:
   """The L2 norm of the logical values of ``tree``: what ``optax.tree.norm`` gives on
   ``unshard(tree)``, without gathering anything.
@@ -141,23 +161,36 @@ def logical_norm(tree: Any) -> jax.Array:
   (``KVHeadLayout``) is stored once per copy, and each copy counts ``1 / copies``, so
   the head counts once. The norm of the stored arrays would count it once per copy,
   and gradient clipping would then scale a GQA model's step differently on each
-  mesh. On the mesh this is one scalar sum per param (partial sums + all-reduce).
+  mesh. The sharded params' squares are summed on their devices and then over the
+  model axis with one scalar all-reduce (the partitioner would send one per param).
   """
-  total = None
+  groups: dict[tuple, list] = {}  # (mesh, axis) -> [(value, spec, weights, dim)]
+  parts = []
   for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     value = leaf[...] if isinstance(leaf, nnx.Variable) else leaf
-    squares = jnp.square(value)
     layout, dim = _layout_of(leaf)
-    if isinstance(layout, KVHeadLayout) and layout.replicated:
-      positions = layout.stored_positions().reshape(-1)  # logical element per stored one
-      copies = np.bincount(positions, minlength=layout.size + 1)
-      weights = np.where(positions < layout.size, 1.0 / copies[positions], 0.0)
-      shape = [1] * value.ndim
-      shape[dim] = weights.size
-      squares = squares * weights.reshape(shape).astype(squares.dtype)
-    part = jnp.sum(squares)
-    total = part if total is None else total + part
-  return jnp.sqrt(total) if total is not None else jnp.zeros(())
+    meta = leaf.get_metadata() if layout is not None else {}
+    axes = [n for n in meta.get("out_sharding", ()) if n is not None]
+    if layout is None or "mesh" not in meta or len(axes) != 1:
+      parts.append(_sum_of_squares(value, None, None))
+      continue
+    groups.setdefault((meta["mesh"], axes[0]), []).append(
+        (value, P(*meta["out_sharding"]), _replica_weights(layout), dim))
+  for (mesh, axis), members in groups.items():
+    def local_sum(*values, members=members, axis=axis):
+      index = shard_index(axis)
+      total = sum(_sum_of_squares(v, None if w is None else jnp.asarray(w)[index], d)
+                  for v, (_, _, w, d) in zip(values, members, strict=True))
+      return jax.lax.psum(total, axis)
+    values = [m[0] for m in members]
+    if axis in jax.sharding.get_abstract_mesh().manual_axes:  # already inside a map
+      parts.append(local_sum(*values))
+      continue
+    mapped = jax.shard_map(local_sum, mesh=mesh, in_specs=tuple(m[1] for m in members),
+                           out_specs=P(), check_vma=True)
+    traced = any(isinstance(v, jax.core.Tracer) for v in values)
+    parts.append(mapped(*values) if traced else jax.jit(mapped)(*values))
+  return jnp.sqrt(sum(parts)) if parts else jnp.zeros(())
 
 
 def gather_to_host(value: jax.Array) -> np.ndarray:
