@@ -78,3 +78,18 @@ def test_bad_flags_exit_2_with_one_line(capsys, argv, message):
   captured = capsys.readouterr()
   assert captured.err.count("\n") == 1 and message in captured.err
   assert captured.err.startswith("train/run.py: error: ")
+
+
+def test_simulated_devices_get_a_spare_thread_each(monkeypatch):
+  """XLA:CPU's pool gets twice as many threads as simulated devices (a collective holds
+  its thread while it waits; see train.run.cpu_thread_pool_size), the device count the
+  user chose counts, and a user's NPROC stays."""
+  from train.run import provide_cpu_devices
+  monkeypatch.delenv("NPROC", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=12")
+  provide_cpu_devices(8)
+  assert os.environ["NPROC"] == str(max(os.cpu_count() or 1, 24))
+  assert "--xla_cpu_collective_call_terminate_timeout_seconds=600" in os.environ["XLA_FLAGS"]
+  monkeypatch.setenv("NPROC", "5")
+  provide_cpu_devices(8)
+  assert os.environ["NPROC"] == "5"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -206,15 +207,33 @@ def check_writable_file(flag: str, path: Path) -> None:
 CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 
 
+def cpu_thread_pool_size(devices: int) -> int:
+  """Threads for XLA:CPU's pool when it simulates ``devices`` devices: twice as many.
+
+  XLA runs every simulated device's program on one pool of ``max(cores, devices)``
+  threads (``NPROC`` overrides the core count), and a collective holds its thread
+  until all devices arrive. Independent collectives of one program can run at once, so
+  with as many threads as devices, one device blocked in a second collective can leave
+  the others no thread to reach the first: a 1x8 run hung that way (7 of 8 devices in
+  an all-reduce, for 10 minutes, then XLA aborted). A spare thread per device leaves
+  room; waiting threads use no CPU.
+  """
+  return max(os.cpu_count() or 1, 2 * devices)
+
+
 def provide_cpu_devices(count: int) -> None:
-  """Asks XLA's CPU platform for ``count`` devices unless the user chose a number, and
-  lets their collectives wait out a busy host (``CPU_COLLECTIVE_TIMEOUT_FLAG``)."""
+  """Asks XLA's CPU platform for ``count`` devices unless the user chose a number, lets
+  their collectives wait out a busy host (``CPU_COLLECTIVE_TIMEOUT_FLAG``), and gives
+  them a thread pool with a spare thread per device (``cpu_thread_pool_size``, unless
+  ``NPROC`` is set)."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     flags = f"{flags} --xla_force_host_platform_device_count={count}"
   if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
     flags = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}"
   os.environ["XLA_FLAGS"] = flags.strip()
+  chosen = re.search(r"xla_force_host_platform_device_count=(\d+)", flags)
+  os.environ.setdefault("NPROC", str(cpu_thread_pool_size(int(chosen[1]))))
 
 
 def provide_mesh_devices(mesh: str, processes: int = 1) -> None:
