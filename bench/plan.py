@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -51,17 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def _arrays(compiled, mesh) -> Counter:
-  """What a compiled step sends: (kind, axes, dtype, shape) of each collective's arrays,
-  leading 1s dropped (a map's per-device axis)."""
-  from flax_tp.hlo import collectives
-  out = Counter()
-  for c in collectives(compiled.as_text(), mesh):
-    for dtype, shape in c.operands:
-      while shape and shape[0] == 1:
-        shape = shape[1:]
-      out[(c.kind, "+".join(c.axes), dtype, shape)] += 1
-  return out
+def _listed(sent) -> list:
+  """``arrays_sent`` counts as JSON rows: [kind, "axis+axis", dtype, shape, count]."""
+  return [[kind, "+".join(axes), dtype, shape, n] for (kind, axes, dtype, shape), n in sent.items()]
 
 
 def _row(compiled, mesh, seconds: float) -> dict:
@@ -104,6 +95,7 @@ def main(argv=None) -> int:
 
   import flax_tp
   from bench import meshes_or_exit, peers
+  from flax_tp.hlo import arrays_sent, collectives
   from models.transformer import Transformer
   from train.step import Trainer, make_optimizer
 
@@ -127,12 +119,13 @@ def main(argv=None) -> int:
     hand = Contender("flax_tp", compiled, (params, trainer.init_opt_state(params)), tokens,
                      (None,))
     medians = interleaved_medians({"parallelized": mine, "flax_tp": hand}, args.repeats)
-    ours, theirs = _arrays(mine.compiled, mesh), _arrays(hand.compiled, mesh)
+    ours, theirs = (arrays_sent(collectives(c.compiled.as_text(), mesh))
+                    for c in (mine, hand))
     entry = {"parallelized": {**_row(mine.compiled, mesh, mine_s),
                               "step_s": medians["parallelized"]},
              "flax_tp": {**_row(hand.compiled, mesh, theirs_s), "step_s": medians["flax_tp"]},
-             "only_parallelized": [[*k, n] for k, n in (ours - theirs).items()],
-             "only_flax_tp": [[*k, n] for k, n in (theirs - ours).items()]}
+             "only_parallelized": _listed(ours - theirs),
+             "only_flax_tp": _listed(theirs - ours)}
     entry["ratios"] = {key: entry["parallelized"][key] / entry["flax_tp"][key]
                        for key in ("collective_bytes", "step_s", "compile_s")}
     results["meshes"][spec] = entry

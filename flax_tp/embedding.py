@@ -80,9 +80,10 @@ class VocabParallelEmbedding(_ParallelEmbed):
   ``__call__(ids [...])`` -> ``[..., features]`` replicated: each device looks up
   the ids in its own range (others give zero) and one all-reduce sums them.
   ``attend(x [..., features])`` -> logits: standalone ``[..., num_embeddings]``
-  like ``nnx.Embed.attend``, left sharded over the vocabulary; inside ``shard_map`` this device's padded shard
-  ``[..., vocab_pad]`` of the logits (padded columns are zero), for
-  ``vocab_parallel_cross_entropy``, which never gathers the full logits.
+  like ``nnx.Embed.attend``, left sharded over the vocabulary; inside
+  ``shard_map`` this device's padded shard ``[..., vocab_pad]`` of the logits
+  (padded columns are zero), for ``vocab_parallel_cross_entropy``, which never
+  gathers the full logits.
 
   ``sequence_parallel``: inside ``shard_map`` the looked-up rows ``[..., s,
   features]`` are reduce-scattered over the sequence (the ids' last axis, which

@@ -9,6 +9,7 @@ says and nothing more.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import re
@@ -114,4 +115,17 @@ def tally(found: list[Collective]) -> dict[str, dict[str, int]]:
       kind = "scalar" if shape == () else "tensor"
       row["scalars" if kind == "scalar" else "tensors"] += 1
       row["scalar_bytes" if kind == "scalar" else "bytes"] += _nbytes(dtype, shape)
+  return out
+
+
+def arrays_sent(found: list[Collective]) -> collections.Counter:
+  """How many times each array is sent: ``(kind, axes, dtype, shape)`` per array of
+  every collective, leading 1s of the shape dropped (a ``shard_map``'s per-device
+  axis), so that two programs' traffic compares array by array whatever packed it."""
+  out: collections.Counter = collections.Counter()
+  for c in found:
+    for dtype, shape in c.operands:
+      while shape and shape[0] == 1:
+        shape = shape[1:]
+      out[(c.kind, c.axes, dtype, shape)] += 1
   return out

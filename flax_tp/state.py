@@ -186,10 +186,10 @@ def logical_norm(tree: Any) -> jax.Array:
     if axis in jax.sharding.get_abstract_mesh().manual_axes:  # already inside a map
       parts.append(local_sum(*values))
       continue
-    mapped = jax.shard_map(local_sum, mesh=mesh, in_specs=tuple(m[1] for m in members),
-                           out_specs=P(), check_vma=True)
-    traced = any(isinstance(v, jax.core.Tracer) for v in values)
-    parts.append(mapped(*values) if traced else jax.jit(mapped)(*values))
+    # jit: one program outside a trace (eager shard_map runs op by op); inlined inside.
+    parts.append(jax.jit(jax.shard_map(local_sum, mesh=mesh,
+                                       in_specs=tuple(m[1] for m in members),
+                                       out_specs=P(), check_vma=True))(*values))
   return jnp.sqrt(sum(parts)) if parts else jnp.zeros(())
 
 

@@ -12,7 +12,7 @@ from helpers import F32, assert_state_close
 
 import flax_tp
 from flax_tp import ColumnParallelDense, RowParallelDense
-from flax_tp.hlo import collectives
+from flax_tp.hlo import arrays_sent, collectives
 
 
 class Classifier(nnx.Module):
@@ -168,16 +168,6 @@ def test_explain_plan_shows_shapes_padding_and_collectives(meshes):
   assert "replicate" in lines["out"] and "its output leaves the model" in lines["out"]
 
 
-def _shapes(found):
-  """Each collective's arrays as (kind, axes, shape without leading 1s): what it moves."""
-  def strip(shape):
-    while shape and shape[0] == 1:
-      shape = shape[1:]
-    return shape
-  return Counter((c.kind, c.axes, dtype, strip(shape)) for c in found
-                 for dtype, shape in c.operands)
-
-
 # 2x4 with sizes that divide (8 heads, 4 kv heads, d_ff 96, vocab 256, tied), then 1x3 where
 # nothing does (llama-tiny: 6 heads, 2 kv heads, vocab 259; untied).
 EVEN = dict(num_heads=8, num_kv_heads=4, d_ff=96, vocab_size=256, tie_embeddings=True)
@@ -225,7 +215,8 @@ def test_the_reference_transformer_parallelized_equals_flax_tps(meshes, mesh_spe
     return
   trainer = Trainer(mine, optax.sgd(0.1))
   hand_written = jax.jit(trainer.loss_and_grads).lower(trainer.params, tokens).compile()
-  ours, theirs = (_shapes(collectives(c.as_text(), mesh)) for c in (compiled, hand_written))
+  ours, theirs = (arrays_sent(collectives(c.as_text(), mesh))
+                  for c in (compiled, hand_written))
   # Column layers reading one input share their backward all-reduce, the tied embedding's
   # gradient is summed over "data" once, and the tied head's logits stay split. The one
   # extra all-reduce is the plain loss's: log_softmax's backward sums its cotangent over

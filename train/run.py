@@ -201,9 +201,10 @@ def check_writable_file(flag: str, path: Path) -> None:
 
 
 # Simulated CPU devices are threads sharing the host's cores. XLA aborts the whole
-# process when a collective's threads have not all arrived within 40 s, which a busy
-# host can cause without any hang (seen once: a run's end-of-training sample on 1x8
-# while another 8-device process compiled on the same 2 cores). Wait longer.
+# process when a collective's threads have not all arrived within 40 s; a busy host
+# (another 8-device process compiling on the same 2 cores) can hold one back that long
+# without any hang, so wait longer. A real deadlock still ends in XLA's abort, after
+# this wait (cpu_thread_pool_size removes the one seen).
 CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 
 
