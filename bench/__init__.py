@@ -15,3 +15,23 @@ def meshes_or_exit(specs: list[str], prog: str) -> None:
     except ValueError as e:
       print(f"{prog}: error: {e}", file=sys.stderr)
       raise SystemExit(2) from None
+
+
+def out_path_or_exit(out: str | None, prog: str) -> None:
+  """Makes the folder of ``--out`` before any benchmark starts, or exits 2 with one
+  line saying why it cannot be written: the results of a long run must not be lost
+  to a missing folder at its end."""
+  if not out:
+    return
+  import os
+  from pathlib import Path
+  path = Path(out)
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    why = ("it is a folder" if path.is_dir() else
+           None if os.access(path.parent, os.W_OK) else f"{path.parent} is not writable")
+  except OSError as e:
+    why = e.strerror or str(e)
+  if why:
+    print(f"{prog}: error: cannot write --out {out!r}: {why}", file=sys.stderr)
+    raise SystemExit(2)

@@ -52,11 +52,12 @@ def main(argv=None) -> int:
   from flax import nnx
 
   import flax_tp
-  from bench import meshes_or_exit
+  from bench import meshes_or_exit, out_path_or_exit
   from models.config import TransformerConfig
   from models.generate import Sampling, bucket, decoder_for, kv_cache_bytes, stream
   from models.transformer import Transformer
   meshes_or_exit(args.meshes.split(",") + args.cache_meshes.split(","), "bench.decode")
+  out_path_or_exit(args.out, "bench.decode")
   contexts = [int(c) for c in args.contexts.split(",")]
   longest = max(contexts) + args.new_tokens
   cfg = TransformerConfig.preset(args.preset, max_seq_len=max(

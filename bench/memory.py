@@ -189,8 +189,9 @@ def main(argv=None) -> int:
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   import jax
 
-  from bench import meshes_or_exit
+  from bench import meshes_or_exit, out_path_or_exit
   meshes_or_exit([args.mesh], "bench.memory")
+  out_path_or_exit(args.out, "bench.memory")
   log = lambda line: print(line, file=sys.stderr, flush=True)
   sections = args.sections.split(",")
   results = {"jax": jax.__version__, "mesh": args.mesh, "batch": args.batch}

@@ -94,13 +94,14 @@ def main(argv=None) -> int:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import flax_tp
-  from bench import meshes_or_exit, peers
+  from bench import meshes_or_exit, out_path_or_exit, peers
   from flax_tp.hlo import arrays_sent, collectives
   from models.transformer import Transformer
   from train.step import Trainer, make_optimizer
 
   specs = [m.strip() for m in args.meshes.split(",") if m.strip()]
   meshes_or_exit(specs, "bench.plan")
+  out_path_or_exit(args.out, "bench.plan")
   cfg = bench_config(args.preset, args.layers, args.seq_len)
   tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10)
   tokens_host = peers.tokens_for(cfg, args.batch_size, args.seq_len)

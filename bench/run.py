@@ -194,10 +194,11 @@ def main(argv=None) -> int:
   import numpy as np
 
   import flax_tp
-  from bench import meshes_or_exit, peers
+  from bench import meshes_or_exit, out_path_or_exit, peers
   from train.step import make_optimizer
 
   meshes_or_exit(meshes, "bench/run.py")
+  out_path_or_exit(args.out, "bench/run.py")
   platform_name = jax.devices()[0].platform
   cfg = bench_config(args.preset, args.layers, args.seq_len)
   tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10)

@@ -27,6 +27,7 @@ from flax_tp.collectives import (
     shard_index,
 )
 from flax_tp.layer import ParallelModule
+from flax_tp.matmul import dense_matmul
 from flax_tp.mesh import MODEL_AXIS
 from flax_tp.partition import KVHeadLayout, ShardLayout
 from flax_tp.state import masked, sharded_param, sum_over_replicas
@@ -89,8 +90,13 @@ class _ParallelDense(ParallelModule):
 
   def _matmul(self, x: Array, kernel: Array, bias: Array | None) -> tuple[Array, Array | None]:
     x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
-    y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                         precision=self.precision)
+    if self.dot_general is jax.lax.dot_general:
+      # Same values; on CPU the kernel gradient takes XLA's fast dot (flax_tp/matmul.py).
+      y = dense_matmul(x, kernel, precision=self.precision,
+                       cpu_gradient=self.mesh.devices.flat[0].platform == "cpu")
+    else:
+      y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                           precision=self.precision)
     return y, bias
 
   def _params(self) -> tuple[Array, Array | None]:

@@ -2,12 +2,14 @@
 
 import json
 
+import pytest
+
 from bench.run import main, megatron_minimum
 from models.config import TransformerConfig
 
 
 def test_bench_smoke(tmp_path):
-  out = tmp_path / "results.json"
+  out = tmp_path / "new" / "results.json"  # the folder is made before the run
   # One mesh keeps it short; the Dx1 data-parallel peer is the same code path.
   assert main(["--preset", "tiny", "--repeats", "1", "--meshes", "2x4", "--batch-size", "8",
                "--seq-len", "16", "--skip", "hostmem,scaling", "--out", str(out)]) == 0
@@ -24,7 +26,7 @@ def test_bench_smoke(tmp_path):
   except ImportError:
     return
   for name in ("step_time.png", "collective_bytes.png"):  # drawn beside --out
-    assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out.parent / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_minimum_formula():
@@ -113,3 +115,14 @@ def test_plan_bench_smoke(tmp_path):
   # loss's one [b, s] sum over the vocabulary (4 rows of 16 per data replica).
   assert entry["only_parallelized"] == [["all-reduce", "model", "f32", [4, 16], 1]]
   assert entry["parallelized"]["step_s"] > 0 and entry["flax_tp"]["step_s"] > 0
+
+
+@pytest.mark.parametrize("module", ["run", "plan", "decode", "memory"])
+def test_bench_refuses_an_unwritable_out_before_running(module, tmp_path, capsys):
+  import importlib
+  bench_main = importlib.import_module(f"bench.{module}").main
+  with pytest.raises(SystemExit) as exit_info:
+    bench_main(["--out", str(tmp_path)])  # a folder: no results could be written there
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "cannot write --out" in err[0] and "folder" in err[0], err

@@ -359,3 +359,55 @@ def test_fused_column_parallel_refuses_what_it_cannot_fuse(meshes):
   a, b = flax_tp.fused_column_parallel((gathered, local), x)
   np.testing.assert_allclose(b, local(x), **F32)
   assert a.shape == b.shape == (2, 4)
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 5, 6), jnp.float32), ((7, 6), jnp.bfloat16)])
+def test_dense_matmul_cpu_gradient_is_the_same_function(shape, dtype):
+  """The CPU form of the kernel gradient changes how it is written, not what it is:
+  forward, reverse and forward-mode derivatives against lax.dot_general."""
+  from flax_tp.matmul import dense_matmul
+  x, kernel = random(shape, seed=0).astype(dtype), random((6, 4), seed=1).astype(dtype)
+  plain = lambda x, k: jax.lax.dot_general(x, k, (((x.ndim - 1,), (0,)), ((), ())))
+  fast = lambda x, k: dense_matmul(x, k, cpu_gradient=True)
+  loss = lambda f: lambda x, k: jnp.sum(jnp.sin(f(x, k).astype(jnp.float32)))
+  tol = F32 if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+  np.testing.assert_array_equal(jax.jit(fast)(x, kernel), jax.jit(plain)(x, kernel))
+  for got, want in zip(jax.jit(jax.grad(loss(fast), (0, 1)))(x, kernel),
+                       jax.jit(jax.grad(loss(plain), (0, 1)))(x, kernel), strict=True):
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+  tangents = (random(shape, seed=2).astype(dtype), random((6, 4), seed=3).astype(dtype))
+  _, got = jax.jvp(fast, (x, kernel), tangents)
+  _, want = jax.jvp(plain, (x, kernel), tangents)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+
+
+def test_kernel_gradients_compile_to_canonical_dots(meshes):
+  """On CPU no dot of an MLP's compiled gradient step contracts its left operand's first
+  dimension: all are [M, K] x [K, N] or [M, K] x [N, K], the forms XLA:CPU hands to
+  XNNPACK. With a user's own dot_general (the plain path) both kernel gradients
+  contract dimension 0 of both operands and run as slower Eigen dots."""
+  mesh = meshes["2x4"]
+
+  def dots(**kwargs):
+    up = flax_tp.ColumnParallelDense(8, 16, mesh=mesh, gather_output=False,
+                                     rngs=nnx.Rngs(0), **kwargs)
+    down = flax_tp.RowParallelDense(16, 8, mesh=mesh, input_is_parallel=True,
+                                    rngs=nnx.Rngs(1), **kwargs)
+    graphdef, state = nnx.split((up, down), nnx.Param)
+
+    def local(state, x):
+      def loss(state):
+        up, down = nnx.merge(graphdef, state)
+        return jax.lax.psum(jnp.sum(jnp.sin(down(jax.nn.gelu(up(x))))), "data")
+      return jax.grad(loss)(state)
+
+    specs = nnx.get_partition_spec(state)
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs))
+    text = step.lower(state, random((8, 32, 8))).compile().as_text()
+    return [line for line in text.splitlines() if " dot(" in line]
+
+  fast = dots()
+  assert len(fast) >= 5 and not any("lhs_contracting_dims={0}" in line for line in fast), fast
+  plain = dots(dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k))
+  assert sum("lhs_contracting_dims={0}" in line for line in plain) == 2, plain
