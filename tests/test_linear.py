@@ -380,6 +380,11 @@ def test_dense_matmul_cpu_gradient_is_the_same_function(shape, dtype):
   _, got = jax.jvp(fast, (x, kernel), tangents)
   _, want = jax.jvp(plain, (x, kernel), tangents)
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+  # Remat policies see the same dots: as many are saved (none recomputed) or recomputed.
+  for policy in (jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.nothing_saveable):
+    counts = [str(jax.make_jaxpr(jax.grad(jax.checkpoint(loss(f), policy=policy), (0, 1)))(
+        x, kernel)).count("dot_general[") for f in (fast, plain)]
+    assert counts[0] == counts[1], (policy, counts)
 
 
 def test_kernel_gradients_compile_to_canonical_dots(meshes):
