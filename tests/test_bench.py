@@ -117,7 +117,7 @@ def test_plan_bench_smoke(tmp_path):
   assert entry["parallelized"]["step_s"] > 0 and entry["flax_tp"]["step_s"] > 0
 
 
-@pytest.mark.parametrize("module", ["run", "plan", "decode", "memory"])
+@pytest.mark.parametrize("module", ["run", "plan", "decode", "memory", "mfu"])
 def test_bench_refuses_an_unwritable_out_before_running(module, tmp_path, capsys):
   import importlib
   bench_main = importlib.import_module(f"bench.{module}").main
@@ -126,3 +126,36 @@ def test_bench_refuses_an_unwritable_out_before_running(module, tmp_path, capsys
   assert exit_info.value.code == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "cannot write --out" in err[0] and "folder" in err[0], err
+
+
+def test_mfu_bench_smoke(tmp_path):
+  from bench.mfu import main as mfu_main, model_flops, param_count
+  out = tmp_path / "mfu.json"
+  assert mfu_main(["--presets", "llama-tiny", "--points", "2x8", "--remat", "block",
+                   "--repeats", "1", "--peak-tflops", "1", "--out", str(out)]) == 0
+  results = json.loads(out.read_text())
+  assert results["versions"]["jax"] and results["peak_tflops"] == 1.0
+  (row,) = results["points"]
+  cfg = TransformerConfig.preset("llama-tiny")  # tied: the table is the head's matmul
+  assert cfg.tie_embeddings and row["params"] == param_count(cfg)
+  # 2 x 8 tokens x (6 N + 12 x 2 layers x 8 positions x 6 heads x 4 dims)
+  assert row["model_flops"] == 2 * 8 * (6 * row["params"] + 12 * 2 * 8 * 6 * 4)
+  # Untied, the 259 x 24 input embedding is a lookup, not a matmul: left out of N.
+  untied = TransformerConfig.preset("llama-tiny", tie_embeddings=False)
+  assert param_count(untied) == row["params"] + 259 * 24
+  assert model_flops(untied, param_count(untied), 2, 8) == row["model_flops"]
+  for name in ("flax_tp", "flax_tp remat=block", "plain Flax"):
+    step = row[name]["step_s"]
+    assert step > 0 and row[name]["mfu"] == pytest.approx(row["model_flops"] / step / 1e12)
+  assert row["flax_tp / plain Flax"] == pytest.approx(
+      row["flax_tp"]["step_s"] / row["plain Flax"]["step_s"])
+
+
+@pytest.mark.parametrize("argv", [["--points", "16x"], ["--points", "0x8"], ["--repeats", "0"],
+                                  ["--peak-tflops", "-1"]])
+def test_mfu_bench_refuses_bad_values(argv, capsys):
+  from bench.mfu import main as mfu_main
+  with pytest.raises(SystemExit) as exit_info:
+    mfu_main(argv)
+  assert exit_info.value.code == 2
+  assert "bench.mfu: error:" in capsys.readouterr().err

@@ -1,0 +1,168 @@
+"""Model FLOP utilisation of the Llama presets on one accelerator (BENCHMARKS.md §6).
+
+    python -m bench.mfu                     # on the GPU: ~125M and ~350M, bfloat16
+    python -m bench.mfu --presets llama-tiny --points 2x16 --repeats 1 --peak-tflops 1  # smoke
+
+For each preset and each ``BATCHxSEQ`` point, flax_tp's train step on a 1x1 mesh
+and plain Flax's (``models/reference.py``, same params), timed interleaved,
+medians after warm-up; with ``--remat``, flax_tp's step again under each
+recomputation setting (plain Flax has none), so that larger points fit. A point
+that does not fit in memory is recorded as such, and the run goes on.
+
+Model FLOPs per step: tokens x (6 x N + 12 x layers x seq x heads x head_dim),
+N the params but an untied input embedding (a lookup, not a matmul), the attention term without halving for causality (PaLM's
+formula). MFU = model FLOPs / step time / the device's peak dense FLOP/s for the
+compute dtype, from ``--peak-tflops`` or the datasheet table below.
+Prints one JSON object (and writes it to ``--out``), with the device's kind and
+the jax / jaxlib / flax versions beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+  sys.path.insert(0, str(ROOT))
+
+# Dense peak FLOP/s from NVIDIA's datasheets (SXM, without sparsity).
+PEAK_TFLOPS = {
+    ("NVIDIA H200", "bfloat16"): 989.0, ("NVIDIA H200", "float32"): 494.0,  # TF32
+    ("NVIDIA H100 80GB HBM3", "bfloat16"): 989.0, ("NVIDIA H100 80GB HBM3", "float32"): 494.0,
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="bench.mfu", description=__doc__.splitlines()[0])
+  p.add_argument("--presets", default="llama-125m,llama-350m")
+  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                 help="compute dtype (params stay float32)")
+  p.add_argument("--points", default="16x1024,32x1024,64x1024",
+                 help="comma-separated BATCHxSEQ points")
+  p.add_argument("--remat", default="",
+                 help="comma-separated recomputation settings to time flax_tp under too "
+                      "(block, dots_saveable, ...)")
+  p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--peak-tflops", type=float, default=None,
+                 help="the device's peak dense TFLOP/s for --dtype (default: datasheet)")
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  try:
+    args.points = [tuple(int(n) for n in point.split("x")) for point in args.points.split(",")]
+    if any(len(point) != 2 or min(point) < 1 for point in args.points):
+      raise ValueError
+  except ValueError:
+    p.error(f"--points must be BATCHxSEQ pairs of positive integers, got {args.points!r}")
+  if args.repeats < 1:
+    p.error(f"--repeats must be >= 1, got {args.repeats}")
+  if args.peak_tflops is not None and not args.peak_tflops > 0:
+    p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+  return args
+
+
+def param_count(cfg) -> int:
+  """The model's logical params (no padding), counted without allocating them."""
+  import jax
+  from flax import nnx
+
+  from models.reference import ReferenceTransformer
+  abstract = nnx.eval_shape(lambda: ReferenceTransformer(cfg, rngs=nnx.Rngs(0)))
+  return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def model_flops(cfg, params: int, batch: int, seq: int) -> int:
+  """Model FLOPs of one train step (see the module docstring)."""
+  matmul_params = params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+  attention = 12 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim
+  return batch * seq * (6 * matmul_params + attention)
+
+
+def _out_of_memory(err: Exception) -> bool:
+  return "RESOURCE_EXHAUSTED" in str(err) or "Out of memory" in str(err)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from bench import out_path_or_exit
+  out_path_or_exit(args.out, "bench.mfu")
+  import flax
+  import jax
+  import jaxlib
+  import numpy as np
+
+  import flax_tp
+  from bench import peers
+  from bench.run import flax_tp_contender, interleaved_medians, peer_contender
+  from models.config import TransformerConfig
+  from train.step import make_optimizer
+
+  presets = [name.strip() for name in args.presets.split(",") if name.strip()]
+  unknown = [name for name in presets if name not in TransformerConfig.preset_names()]
+  if unknown:
+    print(f"bench.mfu: error: unknown preset {unknown[0]!r}; expected some of "
+          f"{TransformerConfig.preset_names()}", file=sys.stderr)
+    return 2
+  device = jax.devices()[0]
+  peak = args.peak_tflops or PEAK_TFLOPS.get((device.device_kind, args.dtype))
+  if peak is None:
+    print(f"bench.mfu: error: no datasheet peak for {device.device_kind!r} in "
+          f"{args.dtype}; pass --peak-tflops", file=sys.stderr)
+    return 2
+  log = lambda line: print(line, file=sys.stderr, flush=True)
+  results = {"device": device.device_kind, "platform": device.platform,
+             "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                          "flax": flax.__version__, "python": sys.version.split()[0]},
+             "dtype": args.dtype, "peak_tflops": peak, "repeats": args.repeats, "points": []}
+  tx = make_optimizer(lr=1e-4, steps=1000, warmup_steps=10)
+  mesh = flax_tp.make_mesh("1x1")
+  for preset in presets:
+    for batch, seq in args.points:
+      cfg = TransformerConfig.preset(preset, dtype=args.dtype,
+                                     max_seq_len=max(seq, TransformerConfig.preset(preset).max_seq_len))
+      tokens = np.asarray(peers.tokens_for(cfg, batch, seq))
+      row = {"preset": preset, "batch": batch, "seq": seq}
+      contenders = {}
+      for remat in ["none", *(r for r in args.remat.split(",") if r)]:
+        name = "flax_tp" if remat == "none" else f"flax_tp remat={remat}"
+        try:
+          _, contenders[name], _ = flax_tp_contender(dataclasses.replace(cfg, remat=remat), mesh,
+                                                     tokens, tx)
+          contenders[name]()
+        except Exception as err:  # only running out of memory is expected
+          if not _out_of_memory(err):
+            raise
+          contenders.pop(name, None)
+          row[name] = "out of memory"
+      try:
+        contenders["plain Flax"], _ = peer_contender(peers.single(cfg, tx), tokens)
+        contenders["plain Flax"]()
+      except Exception as err:  # only running out of memory is expected
+        if not _out_of_memory(err):
+          raise
+        contenders.pop("plain Flax", None)
+        row["plain Flax"] = "out of memory"
+      if contenders:
+        medians = interleaved_medians(contenders, args.repeats)
+        params = param_count(cfg)
+        flops = model_flops(cfg, params, batch, seq)
+        row.update(params=params, model_flops=flops)
+        for name, seconds in medians.items():
+          row[name] = {"step_s": seconds, "mfu": flops / seconds / (peak * 1e12)}
+        if "flax_tp" in medians and "plain Flax" in medians:
+          row["flax_tp / plain Flax"] = medians["flax_tp"] / medians["plain Flax"]
+      results["points"].append(row)
+      log(json.dumps(row))
+      del contenders
+  text = json.dumps(results, indent=1)
+  print(text)
+  if args.out:
+    Path(args.out).write_text(text + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
