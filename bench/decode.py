@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  from train.errors import OneLineParser
+
+  p = OneLineParser(prog="bench.decode", description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="llama-125m")
   p.add_argument("--meshes", default="1x1,1x8", help="meshes to time")
   p.add_argument("--cache-meshes", default="1x2,1x4,1x8", help="meshes of the cache-bytes table")

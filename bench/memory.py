@@ -45,7 +45,9 @@ MORE_OPTIONS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  from train.errors import OneLineParser
+
+  p = OneLineParser(prog="bench.memory", description=__doc__.split("\n\n")[0])
   p.add_argument("--sections", default="memory,compile,step,probe")
   p.add_argument("--preset", default="llama-350m", help="model of the memory section")
   p.add_argument("--mesh", default="2x4")

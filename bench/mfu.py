@@ -37,7 +37,9 @@ PEAK_TFLOPS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="bench.mfu", description=__doc__.splitlines()[0])
+  from train.errors import OneLineParser
+
+  p = OneLineParser(prog="bench.mfu", description=__doc__.splitlines()[0])
   p.add_argument("--presets", default="llama-125m,llama-350m")
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                  help="compute dtype (params stay float32)")

@@ -35,7 +35,9 @@ from bench.run import (
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  from train.errors import OneLineParser
+
+  p = OneLineParser(prog="bench.plan", description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="small", choices=["tiny", "small", "llama-125m"])
   p.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
   p.add_argument("--meshes", default="1x8,2x4,4x2", help="comma-separated DxM meshes")

@@ -8,7 +8,6 @@ the ``bench`` extra (``pip install -e ".[bench]"``); nothing else in flax_tp doe
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -71,7 +70,9 @@ def draw(results: dict, out_dir: Path) -> list[Path]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  from train.errors import OneLineParser
+
+  p = OneLineParser(prog="bench.plots", description=__doc__.split("\n\n")[0])
   p.add_argument("results", nargs="?", default=str(Path(__file__).parent / "results.json"))
   p.add_argument("--out", default=None, help="folder for the PNGs (default: beside results)")
   args = p.parse_args(argv)

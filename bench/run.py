@@ -33,7 +33,9 @@ DEVICES = 8
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
+  from train.errors import OneLineParser
+
+  p = OneLineParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="small", choices=["tiny", "small", "llama-125m"],
                  help="model width (8 heads, vocabulary 256 so that GSPMD can shard it)")
   p.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")

@@ -158,4 +158,5 @@ def test_mfu_bench_refuses_bad_values(argv, capsys):
   with pytest.raises(SystemExit) as exit_info:
     mfu_main(argv)
   assert exit_info.value.code == 2
-  assert "bench.mfu: error:" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("bench.mfu: error: "), err

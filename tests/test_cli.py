@@ -80,6 +80,18 @@ def test_bad_flags_exit_2_with_one_line(capsys, argv, message):
   assert captured.err.startswith("train/run.py: error: ")
 
 
+@pytest.mark.parametrize("script,argv,message", [
+    (["train/launch.py"], ["--processes", "two"], "train/launch.py: error: argument --processes"),
+    (["-m", "bench.run"], ["--repeats", "abc"], "bench/run.py: error: argument --repeats"),
+    (["-m", "bench.plan"], ["--frobnicate"], "bench.plan: error: unrecognized arguments"),
+])
+def test_launcher_and_benchmarks_refuse_bad_flags_in_one_line(script, argv, message):
+  out = subprocess.run([sys.executable, *script, *argv], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=env())
+  assert out.returncode == 2
+  assert out.stderr.count("\n") == 1 and out.stderr.startswith(message), out.stderr
+
+
 def test_simulated_devices_get_a_spare_thread_each(monkeypatch):
   """XLA:CPU's pool gets twice as many threads as simulated devices (a collective holds
   its thread while it waits; see train.run.cpu_thread_pool_size), the device count the

@@ -13,7 +13,6 @@ status. For real hosts, run train/run.py on each with --coordinator,
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -22,6 +21,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the project importable
+  sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from train.errors import OneLineParser
 
 RUN = Path(__file__).resolve().parent / "run.py"
 
@@ -41,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   ours, run_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
       else (argv, [])
-  parser = argparse.ArgumentParser(prog="train/launch.py", description=__doc__.split("\n\n")[0])
+  parser = OneLineParser(prog="train/launch.py", description=__doc__.split("\n\n")[0])
   parser.add_argument("--processes", type=int, default=2, help="local processes to start")
   parser.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
   parser.add_argument("--grace", type=float, default=10.0,
