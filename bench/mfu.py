@@ -20,8 +20,8 @@ the jax / jaxlib / flax versions beside the figures.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -94,12 +94,9 @@ def main(argv=None) -> int:
   import flax
   import jax
   import jaxlib
-  import numpy as np
 
   import flax_tp
-  from bench import peers
-  from bench.run import flax_tp_contender, interleaved_medians, peer_contender
-  from models.config import TransformerConfig
+  from models.config import REMAT_CHOICES, TransformerConfig
   from train.step import make_optimizer
 
   presets = [name.strip() for name in args.presets.split(",") if name.strip()]
@@ -107,6 +104,11 @@ def main(argv=None) -> int:
   if unknown:
     print(f"bench.mfu: error: unknown preset {unknown[0]!r}; expected some of "
           f"{TransformerConfig.preset_names()}", file=sys.stderr)
+    return 2
+  bad_remat = [r for r in args.remat.split(",") if r and r not in REMAT_CHOICES]
+  if bad_remat:
+    print(f"bench.mfu: error: unknown --remat {bad_remat[0]!r}; expected some of "
+          f"{REMAT_CHOICES}", file=sys.stderr)
     return 2
   device = jax.devices()[0]
   peak = args.peak_tflops or PEAK_TFLOPS.get((device.device_kind, args.dtype))
@@ -121,49 +123,72 @@ def main(argv=None) -> int:
              "dtype": args.dtype, "peak_tflops": peak, "repeats": args.repeats, "points": []}
   tx = make_optimizer(lr=1e-4, steps=1000, warmup_steps=10)
   mesh = flax_tp.make_mesh("1x1")
-  for preset in presets:
-    for batch, seq in args.points:
-      cfg = TransformerConfig.preset(preset, dtype=args.dtype,
-                                     max_seq_len=max(seq, TransformerConfig.preset(preset).max_seq_len))
-      tokens = np.asarray(peers.tokens_for(cfg, batch, seq))
-      row = {"preset": preset, "batch": batch, "seq": seq}
-      contenders = {}
-      for remat in ["none", *(r for r in args.remat.split(",") if r)]:
-        name = "flax_tp" if remat == "none" else f"flax_tp remat={remat}"
-        try:
-          _, contenders[name], _ = flax_tp_contender(dataclasses.replace(cfg, remat=remat), mesh,
-                                                     tokens, tx)
-          contenders[name]()
-        except Exception as err:  # only running out of memory is expected
-          if not _out_of_memory(err):
-            raise
-          contenders.pop(name, None)
-          row[name] = "out of memory"
-      try:
-        contenders["plain Flax"], _ = peer_contender(peers.single(cfg, tx), tokens)
-        contenders["plain Flax"]()
-      except Exception as err:  # only running out of memory is expected
-        if not _out_of_memory(err):
-          raise
-        contenders.pop("plain Flax", None)
-        row["plain Flax"] = "out of memory"
-      if contenders:
-        medians = interleaved_medians(contenders, args.repeats)
-        params = param_count(cfg)
-        flops = model_flops(cfg, params, batch, seq)
-        row.update(params=params, model_flops=flops)
-        for name, seconds in medians.items():
-          row[name] = {"step_s": seconds, "mfu": flops / seconds / (peak * 1e12)}
-        if "flax_tp" in medians and "plain Flax" in medians:
-          row["flax_tp / plain Flax"] = medians["flax_tp"] / medians["plain Flax"]
-      results["points"].append(row)
-      log(json.dumps(row))
-      del contenders
-  text = json.dumps(results, indent=1)
-  print(text)
-  if args.out:
-    Path(args.out).write_text(text + "\n")
+  remats = [r for r in args.remat.split(",") if r]
+  todo = [(preset, batch, seq) for preset in presets for batch, seq in args.points]
+
+  def save() -> None:
+    """The points measured so far, written whole (a lent GPU's time limit or Ctrl-C
+    must not lose them)."""
+    if args.out:
+      tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
+      tmp.write_text(json.dumps(results, indent=1) + "\n")
+      os.replace(tmp, args.out)
+
+  try:
+    for preset, batch, seq in todo:
+      row = measure_point(TransformerConfig.preset(preset, dtype=args.dtype), batch, seq,
+                          remats, mesh, tx, args.repeats, peak)
+      results["points"].append({"preset": preset, **row})
+      log(json.dumps(results["points"][-1]))
+      save()
+  except KeyboardInterrupt:
+    save()
+    where = f"; they are in {args.out}" if args.out else ""
+    print(f"bench.mfu: interrupted after {len(results['points'])} of {len(todo)} points{where}",
+          file=sys.stderr)
+    return 130
+  print(json.dumps(results, indent=1))
   return 0
+
+
+def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeats: int,
+                  peak: float) -> dict:
+  """One preset at one ``batch x seq``: each contender's median step and MFU, or
+  "out of memory"."""
+  import dataclasses
+
+  import numpy as np
+
+  from bench import peers
+  from bench.run import flax_tp_contender, interleaved_medians, peer_contender
+  cfg = dataclasses.replace(cfg, max_seq_len=max(seq, cfg.max_seq_len))
+  tokens = np.asarray(peers.tokens_for(cfg, batch, seq))
+  row = {"batch": batch, "seq": seq}
+  builders = {"flax_tp" if remat == "none" else f"flax_tp remat={remat}":
+              (lambda remat=remat: flax_tp_contender(dataclasses.replace(cfg, remat=remat), mesh,
+                                                      tokens, tx)[1])
+              for remat in ["none", *remats]}
+  builders["plain Flax"] = lambda: peer_contender(peers.single(cfg, tx), tokens)[0]
+  contenders = {}
+  for name, build in builders.items():
+    try:
+      contenders[name] = build()
+      contenders[name]()  # compiles and runs once: a point that does not fit fails here
+    except Exception as err:  # only running out of memory is expected
+      if not _out_of_memory(err):
+        raise
+      contenders.pop(name, None)
+      row[name] = "out of memory"
+  if contenders:
+    medians = interleaved_medians(contenders, repeats)
+    params = param_count(cfg)
+    flops = model_flops(cfg, params, batch, seq)
+    row.update(params=params, model_flops=flops)
+    for name, seconds in medians.items():
+      row[name] = {"step_s": seconds, "mfu": flops / seconds / (peak * 1e12)}
+    if "flax_tp" in medians and "plain Flax" in medians:
+      row["flax_tp / plain Flax"] = medians["flax_tp"] / medians["plain Flax"]
+  return row
 
 
 if __name__ == "__main__":

@@ -152,11 +152,39 @@ def test_mfu_bench_smoke(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--points", "16x"], ["--points", "0x8"], ["--repeats", "0"],
-                                  ["--peak-tflops", "-1"]])
+                                  ["--peak-tflops", "-1"], ["--presets", "llama-1b"],
+                                  ["--remat", "block,sometimes"]])
 def test_mfu_bench_refuses_bad_values(argv, capsys):
   from bench.mfu import main as mfu_main
-  with pytest.raises(SystemExit) as exit_info:
-    mfu_main(argv)
-  assert exit_info.value.code == 2
+  try:
+    code = mfu_main(argv)
+  except SystemExit as exit_info:
+    code = exit_info.code
+  assert code == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and err.startswith("bench.mfu: error: "), err
+
+
+def test_mfu_bench_keeps_the_points_measured_before_an_interrupt(tmp_path, monkeypatch, capsys):
+  """Each point is written as soon as it is measured: Ctrl-C (or a lent GPU's time
+  limit) loses only the point in progress."""
+  import bench.mfu
+  calls = []
+
+  def measure_point(cfg, batch, seq, *rest):
+    calls.append((batch, seq))
+    if len(calls) == 2:
+      raise KeyboardInterrupt
+    return {"batch": batch, "seq": seq, "flax_tp": {"step_s": 1.0, "mfu": 0.5}}
+
+  monkeypatch.setattr(bench.mfu, "measure_point", measure_point)
+  out = tmp_path / "mfu.json"
+  assert bench.mfu.main(["--presets", "llama-tiny", "--points", "2x8,4x8,8x8",
+                         "--peak-tflops", "1", "--out", str(out)]) == 130
+  assert calls == [(2, 8), (4, 8)]
+  points = json.loads(out.read_text())["points"]
+  assert points == [{"preset": "llama-tiny", "batch": 2, "seq": 8,
+                     "flax_tp": {"step_s": 1.0, "mfu": 0.5}}]
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1] == f"bench.mfu: interrupted after 1 of 3 points; they are in {out}"
+  assert not (tmp_path / "mfu.json.tmp").exists()
