@@ -7,12 +7,14 @@ For each preset and each ``BATCHxSEQ`` point, flax_tp's train step on a 1x1 mesh
 and plain Flax's (``models/reference.py``, same params), timed interleaved,
 medians after warm-up; with ``--remat``, flax_tp's step again under each
 recomputation setting (plain Flax has none), so that larger points fit. A point
-that does not fit in memory is recorded as such, and the run goes on.
+that does not fit in memory is recorded as such, and the run goes on; each point
+is written to ``--out`` as soon as it is measured.
 
 Model FLOPs per step: tokens x (6 x N + 12 x layers x seq x heads x head_dim),
-N the params but an untied input embedding (a lookup, not a matmul), the attention term without halving for causality (PaLM's
-formula). MFU = model FLOPs / step time / the device's peak dense FLOP/s for the
-compute dtype, from ``--peak-tflops`` or the datasheet table below.
+N the params but an untied input embedding (a lookup, not a matmul), the
+attention term without halving for causality (PaLM's formula). MFU = model FLOPs
+/ step time / the device's peak dense FLOP/s for the compute dtype, from
+``--peak-tflops`` or the datasheet table below.
 Prints one JSON object (and writes it to ``--out``), with the device's kind and
 the jax / jaxlib / flax versions beside the figures.
 """
@@ -53,12 +55,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="the device's peak dense TFLOP/s for --dtype (default: datasheet)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
+  given = args.points
   try:
-    args.points = [tuple(int(n) for n in point.split("x")) for point in args.points.split(",")]
+    args.points = [tuple(int(n) for n in point.split("x")) for point in given.split(",")]
     if any(len(point) != 2 or min(point) < 1 for point in args.points):
       raise ValueError
   except ValueError:
-    p.error(f"--points must be BATCHxSEQ pairs of positive integers, got {args.points!r}")
+    p.error(f"--points must be BATCHxSEQ pairs of positive integers, got {given!r}")
   if args.repeats < 1:
     p.error(f"--repeats must be >= 1, got {args.repeats}")
   if args.peak_tflops is not None and not args.peak_tflops > 0:
