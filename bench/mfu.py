@@ -66,6 +66,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--repeats must be >= 1, got {args.repeats}")
   if args.peak_tflops is not None and not args.peak_tflops > 0:
     p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+  from models.config import REMAT_CHOICES, TransformerConfig
+  args.presets = [name.strip() for name in args.presets.split(",") if name.strip()]
+  for name in args.presets:
+    if name not in TransformerConfig.preset_names():
+      p.error(f"unknown preset {name!r}; expected some of {TransformerConfig.preset_names()}")
+  args.remat = [name for name in args.remat.split(",") if name]
+  for name in args.remat:
+    if name not in REMAT_CHOICES:
+      p.error(f"unknown --remat {name!r}; expected some of {REMAT_CHOICES}")
   return args
 
 
@@ -99,20 +108,9 @@ def main(argv=None) -> int:
   import jaxlib
 
   import flax_tp
-  from models.config import REMAT_CHOICES, TransformerConfig
+  from models.config import TransformerConfig
   from train.step import make_optimizer
 
-  presets = [name.strip() for name in args.presets.split(",") if name.strip()]
-  unknown = [name for name in presets if name not in TransformerConfig.preset_names()]
-  if unknown:
-    print(f"bench.mfu: error: unknown preset {unknown[0]!r}; expected some of "
-          f"{TransformerConfig.preset_names()}", file=sys.stderr)
-    return 2
-  bad_remat = [r for r in args.remat.split(",") if r and r not in REMAT_CHOICES]
-  if bad_remat:
-    print(f"bench.mfu: error: unknown --remat {bad_remat[0]!r}; expected some of "
-          f"{REMAT_CHOICES}", file=sys.stderr)
-    return 2
   device = jax.devices()[0]
   peak = args.peak_tflops or PEAK_TFLOPS.get((device.device_kind, args.dtype))
   if peak is None:
@@ -126,8 +124,7 @@ def main(argv=None) -> int:
              "dtype": args.dtype, "peak_tflops": peak, "repeats": args.repeats, "points": []}
   tx = make_optimizer(lr=1e-4, steps=1000, warmup_steps=10)
   mesh = flax_tp.make_mesh("1x1")
-  remats = [r for r in args.remat.split(",") if r]
-  todo = [(preset, batch, seq) for preset in presets for batch, seq in args.points]
+  todo = [(preset, batch, seq) for preset in args.presets for batch, seq in args.points]
 
   def save() -> None:
     """The points measured so far, written whole (a lent GPU's time limit or Ctrl-C
@@ -140,7 +137,7 @@ def main(argv=None) -> int:
   try:
     for preset, batch, seq in todo:
       row = measure_point(TransformerConfig.preset(preset, dtype=args.dtype), batch, seq,
-                          remats, mesh, tx, args.repeats, peak)
+                          args.remat, mesh, tx, args.repeats, peak)
       results["points"].append({"preset": preset, **row})
       log(json.dumps(results["points"][-1]))
       save()

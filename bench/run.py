@@ -420,10 +420,12 @@ def device_report(preset: str, repeats: int, log) -> dict[str, Any]:
 
   import flax_tp
   from bench import peers
+  from bench.mfu import PEAK_TFLOPS, model_flops, param_count
   from models.config import TransformerConfig
   from train.step import make_optimizer
   out = {"device": jax.devices()[0].device_kind}
-  peak = {"float32": 494e12, "bfloat16": 989e12}  # H100/H200 dense TF32 / BF16 datasheet
+  # The H200's datasheet peaks (as the H100's): dense TF32 and bfloat16.
+  peak = {dtype: PEAK_TFLOPS[("NVIDIA H200", dtype)] * 1e12 for dtype in ("float32", "bfloat16")}
   tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10)
   mesh = flax_tp.make_mesh("1x1")
   for dtype in ("float32", "bfloat16"):
@@ -433,10 +435,7 @@ def device_report(preset: str, repeats: int, log) -> dict[str, Any]:
       _, mine, _ = flax_tp_contender(cfg, mesh, tokens, tx)
       ref, _ = peer_contender(peers.single(cfg, tx), tokens)
       medians = interleaved_medians({"flax_tp": mine, "reference": ref}, max(repeats, 10))
-      params = sum(x.size for x in jax.tree.leaves(flax_tp.unshard(mine.state[0])))
-      # 6 N per token (forward + backward of every weight, the tied head included)
-      # plus attention's 12 L s d per token.
-      flops = batch * seq * (6 * params + 12 * cfg.num_layers * seq * cfg.d_model)
+      flops = model_flops(cfg, param_count(cfg), batch, seq)
       mfu = flops / medians["flax_tp"] / peak[dtype]
       key = f"{dtype} b={batch} s={seq}"
       out[key] = {**medians, "model_flops": flops, "mfu": mfu, "peak_flops": peak[dtype]}
