@@ -5,7 +5,8 @@ process count.
 On disk, one folder per step::
 
     DIR/10/meta.json          the caller's metadata, the array table, the process count
-    DIR/10/index.P.json       process P's pieces: key, logical start and shape, byte offset
+    DIR/10/index.P.json       process P's pieces: key, logical start and shape, byte
+                              offset, CRC-32 of the bytes
     DIR/10/shards.P.bin       process P's pieces, raw bytes one after another
 
 A *piece* is the logical (padding stripped) part of one device shard: a box of
@@ -21,6 +22,15 @@ has written, through JAX's distributed barrier) process 0 writes ``meta.json``
 and renames the folder to ``DIR/10``. A save interrupted at any point leaves the
 earlier checkpoints as they were and no ``DIR/10``.
 
+Checked: every piece carries the CRC-32 of its bytes and ``meta.json`` those of
+the index files, so a flipped byte is refused on restore, never loaded.
+
+Never deletes what it did not write: a step folder is removed (replaced,
+rotated out by ``max_to_keep``, cleared by ``delete_all``) only as far as it
+holds flax_tp's own files; a save or ``delete_all`` that would remove anything
+else (a user's file in ``DIR/2/``, a folder ``DIR/12/`` that is not a
+checkpoint) is refused with an error naming it, before anything is deleted.
+
 Asynchronous saves (``Checkpointer(..., asynchronous=True)``) first copy the
 arrays on their devices (the step that follows may donate the originals), then
 write from a background thread while training goes on; the next ``save``,
@@ -32,8 +42,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import threading
+import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -216,8 +229,9 @@ class _Snapshot:
                                        first_copies=True):
             if math.prod(box) == 0:
               continue
-            index.append([key, list(start), list(box), out.tell()])
-            out.write(np.ascontiguousarray(layer_block[sl]).tobytes())
+            raw = np.ascontiguousarray(layer_block[sl]).tobytes()
+            index.append([key, list(start), list(box), out.tell(), zlib.crc32(raw)])
+            out.write(raw)
         del block, parts
       out.flush()
       os.fsync(out.fileno())
@@ -243,6 +257,37 @@ def _write_json(path: Path, obj: Any) -> None:
     json.dump(obj, f)
     f.flush()
     os.fsync(f.fileno())
+
+
+# What flax_tp writes into a step folder; anything else there is the user's.
+_OWN_FILE = re.compile(r"(meta\.json|index\.\d+\.json|shards\.\d+\.bin)")
+# A flax_tp 0.1.0 (orbax) step folder: its items and orbax's metadata files.
+_LEGACY_ENTRY = re.compile(r"(state|meta|commit_success\.txt|_[A-Za-z_.]+)")
+_OWN_FOLDER = re.compile(r"(\d+|\.tmp-\d+|\.old-\d+)")
+
+
+def _not_ours(folder: Path) -> Path | None:
+  """The first thing in step folder ``folder`` that flax_tp did not write (``folder``
+  itself when it is a numbered folder that is not a checkpoint); None when all is ours."""
+  if not folder.is_dir():
+    return folder if folder.exists() else None
+  legacy = _is_legacy(folder)
+  if folder.name.isdigit() and not legacy and not (folder / "meta.json").is_file():
+    return folder  # a user's folder that happens to be named like a step
+  for entry in sorted(folder.iterdir()):
+    if legacy and _LEGACY_ENTRY.fullmatch(entry.name):
+      continue
+    if not (_OWN_FILE.fullmatch(entry.name) and entry.is_file()):
+      return entry
+  return None
+
+
+def _crc32_of_file(path: Path) -> int:
+  crc = 0
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 20):
+      crc = zlib.crc32(chunk, crc)
+  return crc
 
 
 class Checkpointer:
@@ -271,12 +316,28 @@ class Checkpointer:
     return sorted(int(p.name) for p in self.directory.iterdir()
                   if p.name.isdigit() and ((p / "meta.json").is_file() or _is_legacy(p)))
 
+  def not_ours(self) -> list[Path]:
+    """What sits where this directory's checkpoints go but was not written by flax_tp:
+    a user's file inside a step folder, or a numbered folder that is not a checkpoint.
+    flax_tp never deletes these; ``delete_all`` and a save over them refuse."""
+    if not self.directory.is_dir():
+      return []
+    found = (_not_ours(p) for p in sorted(self.directory.iterdir())
+             if _OWN_FOLDER.fullmatch(p.name))
+    return [p for p in found if p is not None]
+
   def delete_all(self) -> None:
-    """Deletes every checkpoint in the directory (and unfinished writes); other files stay."""
+    """Deletes every checkpoint in the directory (and unfinished writes); other files stay.
+
+    ``CheckpointError`` naming it, before anything is deleted, if a step folder
+    holds something flax_tp did not write (see ``not_ours``)."""
+    foreign = self.not_ours()
+    if foreign:
+      raise CheckpointError(_refusal(foreign[0], "delete the checkpoints"))
     if not self.directory.is_dir():
       return
     for path in self.directory.iterdir():
-      if path.is_dir() and (path.name.isdigit() or path.name.startswith((".tmp-", ".old-"))):
+      if path.is_dir() and _OWN_FOLDER.fullmatch(path.name):
         shutil.rmtree(path)
 
   def latest_step(self) -> int | None:
@@ -319,6 +380,10 @@ class Checkpointer:
     """Writes ``trees`` and ``meta`` as checkpoint ``step`` (called by every process)."""
     self.wait()
     json.dumps(meta)  # fail here, not in the background, on metadata JSON cannot hold
+    for name in (str(step), f".tmp-{step}", f".old-{step}"):
+      foreign = _not_ours(self.directory / name)
+      if foreign is not None:  # replacing the folder would delete it
+        raise CheckpointSaveError(_refusal(foreign, f"save step {step}"))
     snapshot = _Snapshot(trees, copy=self.asynchronous)
     if not self.asynchronous:
       self._commit_or_explain(step, snapshot, meta)
@@ -364,8 +429,10 @@ class Checkpointer:
         number = stale.name.split(".")[1] if stale.name.count(".") == 2 else None
         if number is not None and number.isdigit() and int(number) >= processes:
           stale.unlink()
+      index_crc32 = [_crc32_of_file(tmp / f"index.{p}.json") for p in range(processes)]
       _write_json(tmp / "meta.json", {"format": FORMAT, "step": step, "processes": processes,
-                                      "arrays": snapshot.table, "meta": meta})
+                                      "arrays": snapshot.table, "index_crc32": index_crc32,
+                                      "meta": meta})
       _fsync(tmp)
       if final.exists():  # the same step saved again: the new one replaces it
         old = self.directory / f".old-{step}"
@@ -378,7 +445,7 @@ class Checkpointer:
       _fsync(self.directory)
       if self.max_to_keep:
         for old_step in self.steps()[:-self.max_to_keep]:
-          shutil.rmtree(self.directory / str(old_step))
+          _rotate_out(self.directory / str(old_step))
     _barrier(f"flax_tp_checkpoint_{step}_committed")
 
   # -- restoring ---------------------------------------------------------------
@@ -422,21 +489,60 @@ class Checkpointer:
     return out, dict(record["meta"])
 
 
+def describe_not_ours(path: Path) -> str:
+  """``'DIR/12' is not a flax_tp checkpoint ...`` / ``'DIR/2/x' was not written by flax_tp``."""
+  what = ("is not a flax_tp checkpoint (no meta.json)" if path.is_dir() and path.name.isdigit()
+          else "was not written by flax_tp")
+  return f"{str(path)!r} {what}"
+
+
+def _refusal(foreign: Path, action: str) -> str:
+  return (f"refusing to {action}: {describe_not_ours(foreign)}; flax_tp never deletes what "
+          "it did not write: move it elsewhere, or choose another checkpoint directory")
+
+
+def _rotate_out(folder: Path) -> None:
+  """Deletes an old step folder, keeping whatever in it flax_tp did not write."""
+  if _not_ours(folder) is None:
+    shutil.rmtree(folder)
+    return
+  (folder / "meta.json").unlink(missing_ok=True)  # first: it stops being a checkpoint
+  kept = []
+  for entry in sorted(folder.iterdir()):
+    if _OWN_FILE.fullmatch(entry.name) and entry.is_file():
+      entry.unlink()
+    else:
+      kept.append(entry.name)
+  warnings.warn(f"checkpoint {str(folder)!r} rotated out; kept {kept} in it, which flax_tp "
+                "did not write", stacklevel=2)
+
+
 class _Pieces:
   """The pieces of one checkpoint step, read through memory maps."""
 
   def __init__(self, folder: Path, record: dict[str, Any], step: int):
     self.folder, self.step, self.table = folder, step, record["arrays"]
-    self.by_key: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]] = {}
+    # key -> [(process, start, shape, offset, crc32 or None)]
+    self.by_key: dict[str, list[tuple]] = {}
+    index_crc32 = record.get("index_crc32")  # absent in checkpoints written before checksums
     for process in range(int(record["processes"])):
       path = folder / f"index.{process}.json"
       try:
-        entries = json.loads(path.read_text(encoding="utf-8"))
-      except (OSError, ValueError) as err:
+        raw = path.read_bytes()
+        if index_crc32 is not None and zlib.crc32(raw) != index_crc32[process]:
+          raise CheckpointError(f"checkpoint step {step} is corrupt: {path.name} does not "
+                                "match its checksum in meta.json")
+        entries = json.loads(raw.decode("utf-8"))
+        for entry in entries:
+          key, start, shape, offset = entry[:4]
+          crc = entry[4] if len(entry) > 4 else None
+          self.by_key.setdefault(key, []).append(
+              (process, tuple(start), tuple(shape), int(offset), crc))
+      except (OSError, ValueError, TypeError) as err:
+        if isinstance(err, CheckpointError):
+          raise
         raise CheckpointError(f"cannot read checkpoint step {step}: {path.name}: "
                               f"{type(err).__name__}: {err}") from None
-      for key, start, shape, offset in entries:
-        self.by_key.setdefault(key, []).append((process, tuple(start), tuple(shape), offset))
     self._files: dict[int, int] = {}  # process -> open file descriptor
 
   def close(self) -> None:
@@ -444,7 +550,8 @@ class _Pieces:
       os.close(fd)
     self._files.clear()
 
-  def _piece(self, key: str, process: int, shape: tuple[int, ...], offset: int) -> np.ndarray:
+  def _piece(self, key: str, process: int, shape: tuple[int, ...], offset: int,
+             crc: int | None) -> np.ndarray:
     """One piece, read with a positioned read: only its bytes, into memory freed after use
     (a memory map would keep every touched page resident until the restore ends)."""
     dtype = jnp.dtype(self.table[key]["dtype"])
@@ -460,6 +567,9 @@ class _Pieces:
     if len(raw) != size:
       raise CheckpointError(f"checkpoint step {self.step} is truncated: "
                             f"shards.{process}.bin ends inside {key!r}")
+    if crc is not None and zlib.crc32(raw) != crc:
+      raise CheckpointError(f"checkpoint step {self.step} is corrupt: the bytes of {key!r} in "
+                            f"shards.{process}.bin do not match their checksum")
     return np.frombuffer(raw, dtype).reshape(shape)
 
   def restore(self, key: str, leaf: Any) -> Any:
@@ -504,12 +614,12 @@ class _Pieces:
     needed = filled = 0
     for sl, start, box in _boxes(where, shape, layout, dim):
       needed += math.prod(box)
-      for process, p_start, p_shape, offset in self.by_key.get(key, []):
+      for process, p_start, p_shape, offset, crc in self.by_key.get(key, []):
         lo = [max(a, b) for a, b in zip(start, p_start, strict=True)]
         hi = [min(a + n, b + m) for a, n, b, m in zip(start, box, p_start, p_shape, strict=True)]
         if any(h <= low for low, h in zip(lo, hi, strict=True)):
           continue
-        piece = self._piece(key, process, p_shape, offset)
+        piece = self._piece(key, process, p_shape, offset, crc)
         src = tuple(slice(a - b, h - b) for a, h, b in zip(lo, hi, p_start, strict=True))
         dst = tuple(slice(s.start + a - b, s.start + h - b)
                     for s, a, h, b in zip(sl, lo, hi, start, strict=True))

@@ -22,7 +22,7 @@ from flax import nnx
 from helpers import TINY_RUN_FLAGS, write_small_corpus
 
 import flax_tp
-from flax_tp.checkpoint import Checkpointer, CheckpointError
+from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
 from models.config import TransformerConfig
 from models.transformer import Transformer
 from train.data import TokenCorpus
@@ -216,6 +216,65 @@ def test_broken_checkpoints_are_one_line_errors_and_keep_the_last_good(tmp_path)
     ck.restore({"params": trainer.params})
   assert "\n" not in str(err.value)
 
+
+
+def test_checkpoints_never_delete_what_flax_tp_did_not_write(tmp_path, corpus, capsys):
+  """A user's file in a step folder, or a numbered folder that is not a checkpoint, is never
+  deleted: a save over it and --overwrite refuse naming it; rotation keeps it."""
+  state = {"params": {"w": jnp.arange(6.0)}}
+  ck_dir = tmp_path / "ck"
+  ck = Checkpointer(ck_dir, max_to_keep=2)
+  ck.save(1, state, {})
+  thesis = ck_dir / "1" / "thesis.tex"
+  thesis.write_text("years of work")
+  with pytest.raises(CheckpointSaveError, match="refusing to save step 1: .*thesis.tex' was "
+                     "not written by flax_tp") as err:
+    ck.save(1, state, {})
+  assert "\n" not in str(err.value) and thesis.read_text() == "years of work"
+  mine = ck_dir / "12"
+  mine.mkdir()
+  (mine / "notes.txt").write_text("mine")
+  assert ck.steps() == [1] and ck.not_ours() == [thesis, mine]
+  with pytest.raises(CheckpointError, match="refusing to delete the checkpoints: .*thesis.tex"):
+    ck.delete_all()
+  assert ck.steps() == [1] and (mine / "notes.txt").is_file()  # nothing deleted
+  # Rotation deletes flax_tp's files of step 1 and keeps the user's.
+  ck.save(2, state, {})
+  with pytest.warns(UserWarning, match=r"rotated out; kept \['thesis.tex'\]"):
+    ck.save(3, state, {})
+  assert ck.steps() == [2, 3] and sorted(os.listdir(ck_dir / "1")) == ["thesis.tex"]
+  # The CLI refuses up front, before any step, naming the folder; nothing is touched.
+  thesis.unlink()
+  (ck_dir / "1").rmdir()
+  capsys.readouterr()
+  base = [*FLAGS, "--mesh", "1x2", "--data", corpus, "--checkpoint-dir", str(ck_dir),
+          "--steps", "2"]
+  for extra in (["--overwrite"], ["--resume", "--steps", "4"]):
+    assert main([*base, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{str(mine)!r} is not a flax_tp checkpoint" in err
+  assert ck.steps() == [2, 3] and (mine / "notes.txt").read_text() == "mine"
+
+
+def test_a_flipped_byte_is_refused_on_restore(tmp_path):
+  """Each piece carries a CRC-32 (and meta.json those of the index files)."""
+  trainer = _trainer("1x2", 0)
+  ck = Checkpointer(tmp_path / "ck")
+  ck.save(1, {"params": trainer.params}, {"step": 1})
+  ck.restore({"params": trainer.params})
+  for name, match in (("shards.0.bin", r"corrupt: the bytes of 'params\..*' in shards.0.bin "
+                       "do not match their checksum"),
+                      ("index.0.json", "corrupt: index.0.json does not match its checksum")):
+    path = tmp_path / "ck" / "1" / name
+    good = path.read_bytes()
+    at = len(good) // 2
+    flipped = good[:at] + bytes([good[at] ^ (1 if name.endswith("bin") else 2)]) + good[at + 1:]
+    path.write_bytes(flipped)
+    with pytest.raises(CheckpointError, match=match) as err:
+      ck.restore({"params": trainer.params})
+    assert "\n" not in str(err.value)
+    path.write_bytes(good)
+  ck.restore({"params": trainer.params})  # put back: restores again
 
 # -- the loss ------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import flax_tp
-from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
+from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, describe_not_ours
 from models.config import TransformerConfig
 from models.hf import HFConfigError, load_hf, read_config
 from models.transformer import Transformer
@@ -181,7 +181,14 @@ def _differences(saved: dict[str, Any], ours: dict[str, Any], prefix: str = "") 
 
 def claim_checkpoint_dir(args: argparse.Namespace, checkpointer: Checkpointer,
                          console: Console) -> None:
-  """A fresh run never mixes with, or silently deletes, another run's checkpoints."""
+  """A fresh run never mixes with, or silently deletes, another run's checkpoints; no run
+  starts where a later save or --overwrite would have to delete what flax_tp did not write."""
+  foreign = checkpointer.not_ours()
+  if foreign:
+    raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r}: "
+                     f"{describe_not_ours(foreign[0])}, where "
+                     "this run saves its checkpoints; flax_tp never deletes what it did not "
+                     "write: move it elsewhere, or choose another --checkpoint-dir")
   steps = checkpointer.steps()
   if args.resume or not steps:
     return
