@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,9 +38,35 @@ class HFConfigError(ValueError):
   """A config.json flax_tp cannot honour exactly (never silently a different model)."""
 
 
+def _number(hf: dict[str, Any], field: str, default: Any = None, *, integer: bool) -> Any:
+  """``hf[field]`` (or ``default`` when absent or null) as a positive int / finite positive
+  float; ``HFConfigError`` naming the field otherwise (NaN, negative, a string...)."""
+  value = hf.get(field)
+  if value is None:
+    if default is None:
+      raise HFConfigError(f"config.json lacks {field!r}")
+    return default
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  if integer:
+    ok = ok and float(value).is_integer()
+  if not ok or value <= 0:
+    raise HFConfigError(f"config.json field {field!r} is {value!r}; expected a positive "
+                        f"{'integer' if integer else 'finite number'}")
+  return int(value) if integer else float(value)
+
+
+def _flag(hf: dict[str, Any], field: str, default: bool) -> bool:
+  value = hf.get(field, default)
+  if not isinstance(value, bool):
+    raise HFConfigError(f"config.json field {field!r} is {value!r}; expected true or false")
+  return value
+
+
 def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
   """The ``TransformerConfig`` of an HF ``config.json``; ``HFConfigError`` naming the field
   it cannot honour."""
+  if not isinstance(hf, dict):
+    raise HFConfigError(f"config.json holds a {type(hf).__name__}, not an object of fields")
   kind = hf.get("model_type")
   if kind not in SUPPORTED:
     raise HFConfigError(f"model_type {kind!r} is not supported (expected one of {SUPPORTED})")
@@ -55,23 +84,29 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
   if layer_types != {"full_attention"}:
     raise HFConfigError(f"layer_types {sorted(layer_types)} is not implemented (only "
                         "'full_attention')")
-  heads = int(hf["num_attention_heads"])
-  d_model = int(hf["hidden_size"])
-  head_dim = int(hf.get("head_dim") or d_model // heads)
+  heads = _number(hf, "num_attention_heads", integer=True)
+  d_model = _number(hf, "hidden_size", integer=True)
+  if not hf.get("head_dim") and d_model % heads:
+    raise HFConfigError(f"config.json field 'hidden_size' {d_model} is not divisible by "
+                        f"'num_attention_heads' {heads} and there is no 'head_dim'")
+  head_dim = _number(hf, "head_dim", d_model // heads, integer=True)
   if kind == "qwen2":
     biases = dict(qkv_bias=True, attn_out_bias=False, mlp_bias=False)
   else:
-    attention_bias = bool(hf.get("attention_bias", False))
+    attention_bias = _flag(hf, "attention_bias", False)
     biases = dict(qkv_bias=attention_bias, attn_out_bias=attention_bias,
-                  mlp_bias=bool(hf.get("mlp_bias", False)))
+                  mlp_bias=_flag(hf, "mlp_bias", False))
+  theta_from = rope if "rope_theta" in rope else hf
   return TransformerConfig(
-      vocab_size=int(hf["vocab_size"]), d_model=d_model, num_heads=heads,
-      num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
-      d_ff=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
-      max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm="rmsnorm", mlp="swiglu", **biases)
+      vocab_size=_number(hf, "vocab_size", integer=True), d_model=d_model, num_heads=heads,
+      num_kv_heads=_number(hf, "num_key_value_heads", heads, integer=True), head_dim=head_dim,
+      d_ff=_number(hf, "intermediate_size", integer=True),
+      num_layers=_number(hf, "num_hidden_layers", integer=True),
+      max_seq_len=_number(hf, "max_position_embeddings", 2048, integer=True),
+      tie_embeddings=_flag(hf, "tie_word_embeddings", False),
+      rope_base=_number(theta_from, "rope_theta", 10_000.0, integer=False),
+      norm_eps=_number(hf, "rms_norm_eps", 1e-6, integer=False), norm="rmsnorm",
+      mlp="swiglu", **biases)
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
@@ -140,28 +175,58 @@ def to_hf_state_dict(state: nnx.State, cfg: TransformerConfig) -> dict[str, np.n
   return out
 
 
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def _keys_of(path: Path) -> list[str]:
+  """The tensor names of one safetensors file; ``HFConfigError`` naming it when it is not
+  one (empty, truncated, corrupt)."""
+  from safetensors import safe_open
+  try:
+    with safe_open(path, framework="numpy") as f:
+      return list(f.keys())
+  except FileNotFoundError:
+    raise
+  except Exception as err:  # safetensors raises its own SafetensorError
+    raise HFConfigError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
+
+
 class _Tensors:
-  """Reads the tensors of a safetensors checkpoint, single-file or sharded, one at a time."""
+  """Reads the tensors of a safetensors checkpoint, single-file or sharded, one at a time.
+
+  A folder with both forms is read as transformers reads it: ``model.safetensors``."""
 
   def __init__(self, directory: Path):
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-      weight_map = json.loads(index.read_text())["weight_map"]
+    index = directory / INDEX
+    if (directory / SINGLE).is_file():
+      self.files = {name: directory / SINGLE for name in _keys_of(directory / SINGLE)}
+    elif index.is_file():
+      try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict):
+          raise TypeError("'weight_map' is not an object")
+      except (ValueError, KeyError, TypeError) as err:
+        raise HFConfigError(f"{str(index)!r} is not a safetensors index: "
+                            f"{type(err).__name__}: {err}") from None
       self.files = {name: directory / file for name, file in weight_map.items()}
-    elif (directory / "model.safetensors").is_file():
-      from safetensors import safe_open
-      with safe_open(directory / "model.safetensors", framework="flax") as f:
-        self.files = {name: directory / "model.safetensors" for name in f.keys()}
+      for file in sorted(set(self.files.values())):
+        listed = {n for n, f in self.files.items() if f == file}
+        missing = sorted(listed - set(_keys_of(file)))
+        if missing:
+          raise HFConfigError(f"{str(file)!r} lacks {missing[:3]}, which {INDEX} places there")
     else:
-      raise FileNotFoundError(f"{str(directory)!r} has neither model.safetensors nor "
-                              "model.safetensors.index.json")
+      raise FileNotFoundError(f"{str(directory)!r} has neither {SINGLE} nor {INDEX}")
 
   def get(self, name: str) -> np.ndarray:
     from safetensors import safe_open
     if name not in self.files:
       raise HFConfigError(f"the checkpoint lacks tensor {name!r}")
-    with safe_open(self.files[name], framework="flax") as f:  # bfloat16 too
-      return np.asarray(f.get_tensor(name), np.float32)
+    try:
+      with safe_open(self.files[name], framework="flax") as f:  # bfloat16 too
+        return np.asarray(f.get_tensor(name), np.float32)
+    except Exception as err:  # a file cut short after its header
+      raise HFConfigError(f"cannot read tensor {name!r} from {str(self.files[name])!r}: "
+                          f"{err}") from None
 
 
 def read_config(path: str | Path, **overrides) -> TransformerConfig:
@@ -170,7 +235,35 @@ def read_config(path: str | Path, **overrides) -> TransformerConfig:
   config_path = Path(path) / "config.json"
   if not config_path.is_file():
     raise FileNotFoundError(f"{str(path)!r} has no config.json")
-  return dataclasses.replace(config_from_hf(json.loads(config_path.read_text())), **overrides)
+  try:
+    hf = json.loads(config_path.read_text(encoding="utf-8"))
+  except (ValueError, OSError) as err:
+    raise HFConfigError(f"{str(config_path)!r} is not readable JSON: {err}") from None
+  try:
+    cfg = config_from_hf(hf)
+  except HFConfigError as err:
+    raise HFConfigError(f"{str(config_path)!r}: {err}") from None
+  if cfg.tie_embeddings and _separate_head(Path(path)):
+    cfg = dataclasses.replace(cfg, tie_embeddings=False)
+  return dataclasses.replace(cfg, **overrides)
+
+
+def _separate_head(directory: Path) -> bool:
+  """Whether a checkpoint whose config says ``tie_word_embeddings: true`` holds an
+  ``lm_head.weight`` that differs from the embedding: transformers (5.x) then keeps the
+  two apart, and so does flax_tp (with transformers' warning), rather than tie silently."""
+  if not ((directory / SINGLE).is_file() or (directory / INDEX).is_file()):
+    return False  # load_hf names the missing weights
+  tensors = _Tensors(directory)
+  if "lm_head.weight" not in tensors.files:
+    return False
+  if np.array_equal(tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")):
+    return False
+  warnings.warn(f"{str(directory)!r}: config.json says tie_word_embeddings: true, but the "
+                "checkpoint's lm_head.weight differs from model.embed_tokens.weight; they are "
+                "kept apart, as transformers does (set tie_word_embeddings to false to silence "
+                "this)", stacklevel=3)
+  return True
 
 
 def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0, **overrides) -> Transformer:
@@ -200,7 +293,9 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0, **overrides) -> Tran
     else:
       set_layer(var, layer, value, name)
     used.add(name)
-  unused = sorted(set(tensors.files) - used - {"lm_head.weight"})
+  # A tied model's file may also hold the head (equal to the embedding: see read_config).
+  unused = sorted(set(tensors.files) - used - ({"lm_head.weight"} if cfg.tie_embeddings
+                                               else set()))
   if unused:  # a tensor this architecture does not have: not the model it claims
     raise HFConfigError(f"the checkpoint has tensors the config does not explain: "
                         f"{unused[:5]}{' ...' if len(unused) > 5 else ''}")
@@ -208,12 +303,27 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0, **overrides) -> Tran
 
 
 def save_hf(model: Transformer, path: str | Path) -> None:
-  """Writes ``config.json`` and ``model.safetensors`` (float32) that transformers loads."""
+  """Writes ``config.json`` and ``model.safetensors`` (float32) that transformers loads.
+
+  Each file is written beside its place and renamed over it, so an interrupted save
+  leaves the folder's earlier files whole. A folder holding a sharded checkpoint
+  (``model.safetensors.index.json``) is refused: flax_tp did not write those shards and
+  will not delete them, and leaving them beside a new ``model.safetensors`` would leave
+  two different models in one folder.
+  """
   from safetensors.numpy import save_file
   cfg = model.cfg
   hf_config = config_to_hf(cfg)  # refuses a model HF cannot represent, before writing
   directory = Path(path)
+  if (directory / INDEX).exists():
+    raise FileExistsError(f"refusing to save into {str(directory)!r}: it holds a sharded "
+                          f"checkpoint ({INDEX}) that flax_tp did not write and will not "
+                          "delete; choose an empty or new folder")
   directory.mkdir(parents=True, exist_ok=True)
   tensors = to_hf_state_dict(nnx.state(model, nnx.Param), cfg)
-  save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-  (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+  tmp = directory / f".{SINGLE}.tmp"
+  save_file(tensors, str(tmp), metadata={"format": "pt"})
+  os.replace(tmp, directory / SINGLE)
+  tmp = directory / ".config.json.tmp"
+  tmp.write_text(json.dumps(hf_config, indent=2))
+  os.replace(tmp, directory / "config.json")

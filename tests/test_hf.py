@@ -67,23 +67,115 @@ def test_save_hf_round_trip(tmp_path, meshes, name):
   assert written_cfg.identity() == model.cfg.identity()
 
 
-def test_sharded_checkpoint_folder_loads_the_same(tmp_path, meshes):
-  """The ``model.safetensors.index.json`` form (several files) gives the same model."""
+def _sharded_copy(source, folder):
+  """``source``'s checkpoint as HF writes a big one: two files and an index."""
   from safetensors.numpy import load_file, save_file
-  tensors = load_file(FIXTURES / "llama" / "model.safetensors")
+  tensors = load_file(source / "model.safetensors")
   names = sorted(tensors)
   parts = {"model-00001-of-00002.safetensors": names[::2],
            "model-00002-of-00002.safetensors": names[1::2]}
   for file, keys in parts.items():
-    save_file({k: tensors[k] for k in keys}, str(tmp_path / file), metadata={"format": "pt"})
-  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+    save_file({k: tensors[k] for k in keys}, str(folder / file), metadata={"format": "pt"})
+  (folder / "model.safetensors.index.json").write_text(json.dumps(
       {"metadata": {}, "weight_map": {k: f for f, keys in parts.items() for k in keys}}))
-  shutil.copy(FIXTURES / "llama" / "config.json", tmp_path)
+  shutil.copy(source / "config.json", folder)
+  return tensors
+
+
+def test_sharded_checkpoint_folder_loads_the_same(tmp_path, meshes):
+  """The ``model.safetensors.index.json`` form (several files) gives the same model."""
+  _sharded_copy(FIXTURES / "llama", tmp_path)
   one = load_hf(FIXTURES / "llama", meshes["1x3"])
   two = load_hf(tmp_path, meshes["1x3"])
   for a, b in zip(jax.tree.leaves(flax_tp.unshard(one)), jax.tree.leaves(flax_tp.unshard(two)),
                   strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def test_save_hf_never_leaves_two_models_in_a_folder(tmp_path, meshes):
+  """save_hf refuses a folder holding a sharded checkpoint (it would stay beside the new
+  file, and was read first); a folder holding both forms is read as transformers reads it."""
+  from safetensors.numpy import save_file
+  sharded = tmp_path / "sharded"
+  sharded.mkdir()
+  tensors = _sharded_copy(FIXTURES / "llama", sharded)
+  before = {p.name: p.read_bytes() for p in sharded.iterdir()}
+  model = load_hf(FIXTURES / "llama", meshes["1x2"], seed=0)
+  with pytest.raises(FileExistsError, match="holds a sharded checkpoint "
+                     r"\(model.safetensors.index.json\)"):
+    save_hf(model, sharded)
+  assert {p.name: p.read_bytes() for p in sharded.iterdir()} == before
+  # Both forms in one folder: model.safetensors wins, as in transformers' loader.
+  changed = {k: v + 1.0 for k, v in tensors.items()}
+  save_file(changed, str(sharded / "model.safetensors"), metadata={"format": "pt"})
+  loaded = to_hf_state_dict(nnx.state(load_hf(sharded, meshes["1x2"]), nnx.Param),
+                            model.cfg)
+  for key, value in loaded.items():
+    np.testing.assert_array_equal(value, changed[key], err_msg=key)
+
+
+def test_a_tied_config_with_its_own_head_is_kept_apart_like_transformers(tmp_path, meshes):
+  """tie_word_embeddings: true, but the file's lm_head differs from the embedding:
+  transformers 5 keeps them apart (with a warning), so flax_tp does; its stored logits
+  (computed by transformers on the untied model) are matched."""
+  folder = tmp_path / "tied"
+  shutil.copytree(FIXTURES / "llama", folder)
+  config = json.loads((folder / "config.json").read_text())
+  (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+  with pytest.warns(UserWarning, match="tie_word_embeddings: true, but .* kept apart"):
+    model = load_hf(folder, meshes["2x4"])
+  assert not model.cfg.tie_embeddings
+  expected = np.load(FIXTURES / "llama" / "expected.npz")
+  logits = jax.jit(lambda t: model(t))(jnp.asarray(expected["ids"], jnp.int32))
+  np.testing.assert_allclose(logits, expected["logits"], rtol=1e-5, atol=1e-5)
+  # A head equal to the embedding (some exporters write both) stays tied, with no warning.
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(folder / "model.safetensors")
+  tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+  save_file(tensors, str(folder / "model.safetensors"))
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert load_hf(folder, meshes["1x2"]).cfg.tie_embeddings
+
+
+def _break(folder, how):
+  weights, config = folder / "model.safetensors", folder / "config.json"
+  if how == "empty":
+    weights.write_bytes(b"")
+  elif how == "truncated":
+    weights.write_bytes(weights.read_bytes()[:-100])
+  elif how == "corrupt header":
+    raw = bytearray(weights.read_bytes())
+    raw[8:16] = b"\xff" * 8
+    weights.write_bytes(bytes(raw))
+  elif how == "config not an object":
+    config.write_text("[1, 2]")
+  else:  # a field set to a bad value
+    field, value = how
+    config.write_text(json.dumps({**json.loads(config.read_text()), field: value}))
+  return weights if how in ("empty", "truncated", "corrupt header") else config
+
+
+@pytest.mark.parametrize("how,message", [
+    ("empty", "is not a readable safetensors file"),
+    ("truncated", "safetensors"),
+    ("corrupt header", "is not a readable safetensors file"),
+    ("config not an object", "config.json holds a list, not an object of fields"),
+    (("vocab_size", float("nan")), "field 'vocab_size' is nan; expected a positive integer"),
+    (("hidden_size", -24), "field 'hidden_size' is -24; expected a positive integer"),
+    (("num_attention_heads", "6"), "field 'num_attention_heads' is '6'"),
+    (("rms_norm_eps", -1e-6), "field 'rms_norm_eps' is -1e-06; expected a positive finite"),
+    (("tie_word_embeddings", "false"), "field 'tie_word_embeddings' is 'false'; expected true"),
+])
+def test_broken_hf_folders_are_named(tmp_path, meshes, how, message):
+  folder = tmp_path / "m"
+  shutil.copytree(FIXTURES / "llama", folder)
+  named = _break(folder, how)
+  with pytest.raises(HFConfigError) as err:
+    load_hf(folder, meshes["1x2"])
+  text = str(err.value)
+  assert "\n" not in text and message in text and str(named) in text, text
 
 
 @pytest.mark.parametrize("change,field", [
@@ -252,7 +344,15 @@ def test_init_from_bad_folders_exit_2(tmp_path, hf_folder, capsys):
   shutil.copytree(folder, big_vocab)
   config = json.loads((big_vocab / "config.json").read_text())
   (big_vocab / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+  empty_weights = tmp_path / "empty"
+  shutil.copytree(folder, empty_weights)
+  (empty_weights / "model.safetensors").write_bytes(b"")
+  nan_config = tmp_path / "nan"
+  shutil.copytree(folder, nan_config)
+  (nan_config / "config.json").write_text(json.dumps({**config, "rope_theta": float("nan")}))
   for argv, message in [
+      (["--init-from", str(empty_weights)], "model.safetensors' is not a readable safetensors"),
+      (["--init-from", str(nan_config)], "field 'rope_theta' is nan"),
       (["--init-from", str(no_tokenizer)], "has no tokenizer.json"),
       (["--init-from", str(big_vocab)], "more than the model's vocab_size 100"),
       (["--init-from", str(folder), "--preset", "tiny"], "--preset and --init-from"),
