@@ -145,7 +145,16 @@ def _entries(model: nnx.Module, plan: dict[str, str] | None,
              inputs: Sequence[Any] | None) -> list[_Entry]:
   """The given plan resolved, or (``plan=None``) one inferred by tracing ``model(*inputs)``."""
   if plan is not None:
-    return _resolve(model, plan)
+    entries = _resolve(model, plan)
+    split = [e.path for e in entries if e.style not in ("replicate",)]
+    if inputs is not None and split:  # check that the model uses them only through calls
+      found = plan_inference.trace(model, split, tuple(inputs))
+      for e in entries:
+        if e.path in found.direct:
+          raise ValueError(f"plan pattern {e.pattern!r}: the model reads the params of "
+                           f"{e.path!r} outside its call, where a {e.style!r} split would "
+                           "hand it the padded, sharded param; plan it 'replicate'")
+    return entries
   if inputs is None:
     raise ValueError("plan=None infers the plan by tracing the forward pass: pass "
                      "inputs=(example arguments or jax.ShapeDtypeStructs, as model(*inputs))")
@@ -155,8 +164,7 @@ def _entries(model: nnx.Module, plan: dict[str, str] | None,
   parts_of = {".".join(str(p) for p in parts): parts for parts, _ in found_layers}
   if not layers:
     raise ValueError("the model has no nnx.Linear or nnx.Embed to parallelize")
-  found = plan_inference.trace(model, {id(m): p for p, m in layers.items()},
-                               tuple(inputs))
+  found = plan_inference.trace(model, list(layers), tuple(inputs))
   inferred = plan_inference.infer(layers, found)
   return [_Entry(path, parts_of[path], layers[path], style, None, unit, reason)
           for path, (style, unit, reason) in inferred.items()]
@@ -175,7 +183,10 @@ def parallelize(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = Non
   module it matches, is a ``ValueError`` naming them.
 
   ``plan=None``: the plan is inferred by tracing ``model(*inputs)`` abstractly
-  (``flax_tp.plan_inference``); ``explain_plan`` shows it with its reasons.
+  (``flax_tp.plan_inference``); ``explain_plan`` shows it with its reasons. A layer
+  whose params the model reads outside the layer's call is kept whole. With a given
+  plan, ``inputs`` (optional) has the same trace check that no split layer's params
+  are read that way (a ``ValueError`` naming it); without them it cannot be seen.
   """
   if not isinstance(mesh, Mesh) or axis_name not in mesh.axis_names:
     raise ValueError(f"mesh must be a jax.sharding.Mesh with a {axis_name!r} axis "

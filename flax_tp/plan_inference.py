@@ -12,6 +12,9 @@ it reaches gives the pairs Megatron would choose:
 - where a column output is reshaped ``[..., F] -> [..., H, D]`` the split keeps
   heads whole (``shard_unit=D``), and so does its row layer's;
 - embeddings are split over their vocabulary;
+- a layer whose params the model also reads outside the layer's own call
+  (``h @ self.up.kernel[...]``) stays whole: split, that code would see the
+  padded, sharded param instead of the one it was written for;
 - every other linear layer stays replicated, with the reason reported.
 
 Names and shapes are never guessed from. Because the swapped layers are exact
@@ -50,34 +53,75 @@ class Trace:
   pure_input: dict[str, bool] = field(default_factory=dict)  # input from layers only
   head_dim: dict[str, int] = field(default_factory=dict)  # column path -> D of its reshape
   called: set[str] = field(default_factory=set)
+  direct: set[str] = field(default_factory=set)  # layers whose params are read outside them
 
 
-def trace(model: nnx.Module, paths: dict[int, str], inputs: Sequence[Any]) -> Trace:
-  """Traces ``model(*inputs)`` with each layer in ``paths`` (``id(module) -> path``)
-  marked, and follows the data between them."""
+_PARAM = "<param>"  # taint prefix: a layer's param read as a value
+
+
+def _key_part(entry: Any) -> Any:
+  for attr in ("key", "idx"):
+    if hasattr(entry, attr):
+      return getattr(entry, attr)
+  return None  # GetAttrKey('value'): the Variable's own value
+
+
+def trace(model: nnx.Module, layer_paths: Sequence[str], inputs: Sequence[Any]) -> Trace:
+  """Traces ``model(*inputs)`` with each layer in ``layer_paths`` marked where its input
+  enters, its output leaves and its params are read, and follows the data between them.
+
+  The model's state enters the trace as arguments (``nnx.split``), so a param read
+  anywhere else than inside its layer's call is seen too."""
   originals = {(cls, name): getattr(cls, name)
                for cls, name in ((nnx.Linear, "__call__"), (nnx.Embed, "__call__"),
                                  (nnx.Embed, "attend"))}
+  wanted = set(layer_paths)
+  graphdef, state = nnx.split(model)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  owners = []  # each state leaf's layer path, when it is a marked layer's param
+  for path, _ in flat:
+    parts = [p for p in map(_key_part, path) if p is not None]
+    owner = ".".join(str(p) for p in parts[:-1])
+    owners.append(owner if owner in wanted else None)
+  paths: dict[int, str] = {}  # id(module of the traced model) -> path
 
   def marked(original):
     def call(self, x, *args, **kwargs):
       path = paths.get(id(self))
       if path is None:
         return original(self, x, *args, **kwargs)
-      return _mark(original(self, _mark(x, "in", path), *args, **kwargs), "out", path)
+      params = {name: v for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+      held = {name: v[...] for name, v in params.items()}
+      try:
+        for name, v in params.items():  # the layer's own reads of its params
+          v[...] = _mark(held[name], "param", path)
+        return _mark(original(self, _mark(x, "in", path), *args, **kwargs), "out", path)
+      finally:
+        for name, v in params.items():
+          v[...] = held[name]
     return call
+
+  def forward(leaves, *xs):
+    traced = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+    paths.update({id(m): p for p, m in ((".".join(str(q) for q in parts), m)
+                                        for parts, m in nnx.iter_modules(traced))
+                  if p in wanted})
+    return traced(*xs)
 
   try:
     for (cls, name), original in originals.items():
       setattr(cls, name, marked(original))
-    closed = jax.make_jaxpr(lambda *xs: model(*xs))(*inputs)
+    closed = jax.make_jaxpr(forward)([leaf for _, leaf in flat], *inputs)
   finally:
     for (cls, name), original in originals.items():
       setattr(cls, name, original)
   result = Trace()
   taints: dict[Any, frozenset] = {}
   outer = frozenset({"<input>"})
-  for v in closed.jaxpr.invars:
+  invars = closed.jaxpr.invars
+  for v, owner in zip(invars[:len(owners)], owners, strict=True):
+    taints[v] = frozenset() if owner is None else frozenset({_PARAM + owner})
+  for v in invars[len(owners):]:
     taints[v] = outer
   _propagate(closed.jaxpr, taints, result)
   for v in closed.jaxpr.outvars:
@@ -109,7 +153,9 @@ def _propagate(jaxpr, taints: dict, result: Trace) -> None:
     ins = [_taint(v, taints) for v in eqn.invars]
     if eqn.primitive is _mark_p:
       path, kind = eqn.params["path"], eqn.params["kind"]
-      if kind == "in":
+      if kind == "param":  # the layer reading its own param: not a direct read
+        taints[eqn.outvars[0]] = frozenset()
+      elif kind == "in":
         result.called.add(path)
         for source in ins[0]:
           result.reaches[source].add(path)
@@ -128,6 +174,7 @@ def _propagate(jaxpr, taints: dict, result: Trace) -> None:
         taints[ov] = _taint(iv, inner)
       continue
     union = frozenset().union(*ins) if ins else frozenset()
+    result.direct.update(t[len(_PARAM):] for t in union if t.startswith(_PARAM))
     for ov in eqn.outvars:
       taints[ov] = union
     if eqn.primitive.name == "reshape" and len(ins[0]) == 1:
@@ -143,12 +190,15 @@ def infer(entries_by_path: dict[str, nnx.Module], found: Trace) -> dict[str, tup
   """``{path: (style, unit, reason)}`` for every layer from the traced data flow."""
   plan: dict[str, tuple] = {}
   linears = {p for p, m in entries_by_path.items() if type(m) is nnx.Linear}
+  direct = "kept whole: the model reads its params outside its call (split, they would be padded)"
+  for path in found.direct:
+    plan[path] = ("replicate", 1, direct)
   for path, module in entries_by_path.items():
-    if type(module) is nnx.Embed:
+    if type(module) is nnx.Embed and path not in found.direct:
       plan[path] = ("vocab", 1, "embedding: split over its vocabulary")
-  for row in sorted(linears):
+  for row in sorted(linears - found.direct):
     group = found.feeds.get(row, set())
-    if not group or not group <= linears or not found.pure_input.get(row, False):
+    if not group or not group <= linears - found.direct or not found.pure_input.get(row, False):
       continue
     if any(found.reaches.get(col, set()) != {row} for col in group):
       continue

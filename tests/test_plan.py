@@ -115,6 +115,52 @@ def test_parallelized_model_equals_the_original(meshes, mesh_spec, kind, given):
   assert_state_close(model, ref, rtol=1e-5, atol=1e-6)
 
 
+class ReadsItsKernels(nnx.Module):
+  """Uses layers' params directly as well as through their calls: a tied head read as
+  ``embed.embedding``, and the up projection's kernel in a feature of its own."""
+
+  def __init__(self, *, rngs):
+    self.embed = nnx.Embed(37, 12, rngs=rngs)
+    self.up, self.down = nnx.Linear(12, 30, rngs=rngs), nnx.Linear(30, 12, rngs=rngs)
+    self.gate, self.proj = nnx.Linear(12, 30, rngs=rngs), nnx.Linear(30, 12, rngs=rngs)
+
+  def __call__(self, ids):
+    x = self.embed(ids)
+    x = x + self.down(jax.nn.gelu(self.up(x)))
+    x = x + jnp.mean(jnp.cos(x @ self.up.kernel[...]), axis=-1, keepdims=True)
+    x = x + self.proj(jax.nn.gelu(self.gate(x)))  # an ordinary pair: still split
+    return x @ self.embed.embedding[...].T
+
+
+def test_layers_whose_params_are_read_directly_stay_whole(meshes):
+  """plan=None keeps a layer whole when the model reads its params outside its call (12
+  -> 30 over 4 devices pads them to 32): exact outputs and gradients, and explain_plan
+  says why; the other pair is still split."""
+  ref, model = ReadsItsKernels(rngs=nnx.Rngs(0)), ReadsItsKernels(rngs=nnx.Rngs(0))
+  ids = jax.random.randint(jax.random.key(3), (4, 5), 0, 37)
+  mesh = meshes["2x4"]
+  table = flax_tp.explain_plan(model, mesh, inputs=(ids,))
+  lines = {line.split()[0]: line for line in table.splitlines()[2:-1]}
+  for path in ("up", "embed"):
+    assert "replicate" in lines[path] and "reads its params outside its call" in lines[path]
+  assert "replicate" in lines["down"]  # its only partner stays whole
+  flax_tp.parallelize(model, mesh, inputs=(ids,))
+  assert type(model.up) is nnx.Linear and type(model.embed) is nnx.Embed
+  assert type(model.gate) is ColumnParallelDense and type(model.proj) is RowParallelDense
+  out = apply(model, ids)
+  assert out.shape == (4, 5, 37)
+  np.testing.assert_allclose(out, apply(ref, ids), **F32)
+  value, grads = grad_of(model, ids)
+  ref_value, ref_grads = grad_of(ref, ids)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  assert_state_close(grads, ref_grads, rtol=1e-5, atol=1e-5)
+  # A given plan that splits it is refused when inputs let the trace see the read.
+  with pytest.raises(ValueError, match="pattern 'up': the model reads the params of 'up' "
+                     "outside its call"):
+    flax_tp.parallelize(ReadsItsKernels(rngs=nnx.Rngs(0)), mesh,
+                        {"up": "column", "down": "row"}, inputs=(ids,))
+
+
 def test_a_column_row_pair_costs_one_all_reduce(meshes):
   """Even sizes under jit: the split activation between up and down stays split (the
   partitioner carries it through gelu), so the forward's only communication over the
