@@ -7,7 +7,15 @@ import sys
 
 def meshes_or_exit(specs: list[str], prog: str) -> None:
   """Exits 2 with one line naming the first mesh this machine cannot build (a bad spec,
-  or more devices than it has), before any benchmark starts."""
+  more devices than it has, an impossible device count in ``XLA_FLAGS``), before any
+  benchmark starts."""
+  import os
+
+  from train.errors import xla_device_count_problem
+  problem = xla_device_count_problem(os.environ.get("XLA_FLAGS", ""))
+  if problem:
+    print(f"{prog}: error: {problem}", file=sys.stderr)
+    raise SystemExit(2)
   import flax_tp
   for spec in specs:
     try:
@@ -23,13 +31,13 @@ def out_path_or_exit(out: str | None, prog: str) -> None:
   to a missing folder at its end."""
   if not out:
     return
-  import os
   from pathlib import Path
+
+  from train.errors import unwritable_file
   path = Path(out)
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
-    why = ("it is a folder" if path.is_dir() else
-           None if os.access(path.parent, os.W_OK) else f"{path.parent} is not writable")
+    why = unwritable_file(path)
   except OSError as e:
     why = e.strerror or str(e)
   if why:

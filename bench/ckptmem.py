@@ -15,7 +15,6 @@ device-side copy of the state shows up here (on a GPU it is device memory).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -78,9 +77,11 @@ def worker(args) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--processes", type=int, default=1)
-  parser.add_argument("--layers", type=int, default=16)
+  from train.errors import OneLineParser, positive_int
+  parser = OneLineParser(prog="bench.ckptmem", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--processes", type=positive_int, choices=(1, 2, 4, 8), default=1,
+                      help="processes sharing the 8 devices")
+  parser.add_argument("--layers", type=positive_int, default=16)
   parser.add_argument("--process-id", type=int, default=None)
   parser.add_argument("--coordinator", default=None)
   parser.add_argument("--dir", default=None)

@@ -33,15 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  from train.errors import OneLineParser
+  from models.config import TransformerConfig
+  from train.errors import OneLineParser, comma_positive_ints, positive_int
 
   p = OneLineParser(prog="bench.decode", description=__doc__.split("\n\n")[0])
-  p.add_argument("--preset", default="llama-125m")
+  p.add_argument("--preset", default="llama-125m", choices=TransformerConfig.preset_names())
   p.add_argument("--meshes", default="1x1,1x8", help="meshes to time")
   p.add_argument("--cache-meshes", default="1x2,1x4,1x8", help="meshes of the cache-bytes table")
-  p.add_argument("--contexts", default="128,512", help="prompt lengths")
-  p.add_argument("--new-tokens", type=int, default=16)
-  p.add_argument("--repeats", type=int, default=3, help="timed prefills per context")
+  p.add_argument("--contexts", type=comma_positive_ints, default=[128, 512],
+                 help="prompt lengths")
+  p.add_argument("--new-tokens", type=positive_int, default=16)
+  p.add_argument("--repeats", type=positive_int, default=3, help="timed prefills per context")
   p.add_argument("--out", default=None)
   return p.parse_args(argv)
 
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
   from models.transformer import Transformer
   meshes_or_exit(args.meshes.split(",") + args.cache_meshes.split(","), "bench.decode")
   out_path_or_exit(args.out, "bench.decode")
-  contexts = [int(c) for c in args.contexts.split(",")]
+  contexts = args.contexts
   longest = max(contexts) + args.new_tokens
   cfg = TransformerConfig.preset(args.preset, max_seq_len=max(
       TransformerConfig.preset(args.preset).max_seq_len, longest))

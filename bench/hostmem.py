@@ -8,7 +8,6 @@ that matters is the *transient*: peak minus what the built model keeps.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,17 +24,22 @@ def proc_status(field: str) -> int:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser()
+  from train.errors import OneLineParser, positive_int
+  parser = OneLineParser(prog="bench.hostmem", description=__doc__.split("\n\n")[0])
   parser.add_argument("--mesh", default="1x8")
   parser.add_argument("--reference", action="store_true", help="build the plain-Flax model")
-  parser.add_argument("--d-model", type=int, default=512)
-  parser.add_argument("--vocab", type=int, default=32768)
+  parser.add_argument("--d-model", type=positive_int, default=512)
+  parser.add_argument("--vocab", type=positive_int, default=32768)
   args = parser.parse_args()
+  if args.d_model % 8:
+    parser.error(f"--d-model must be a multiple of the 8 heads, got {args.d_model}")
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   import jax
   from flax import nnx
 
   import flax_tp
+  from bench import meshes_or_exit
+  meshes_or_exit([args.mesh], "bench.hostmem")
   from models.config import TransformerConfig
   from models.reference import ReferenceTransformer
   from models.transformer import Transformer

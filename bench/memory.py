@@ -42,25 +42,31 @@ MORE_OPTIONS = {
     "sp+scan": dict(sequence_parallel=True, scan_layers=True),
     "remat+scan": dict(remat="block", scan_layers=True),
 }
+SECTIONS = ("memory", "compile", "step", "probe")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  from train.errors import OneLineParser
+  from models.config import TransformerConfig
+  from train.errors import OneLineParser, comma_choices, comma_positive_ints, positive_int
 
+  presets = TransformerConfig.preset_names()
   p = OneLineParser(prog="bench.memory", description=__doc__.split("\n\n")[0])
-  p.add_argument("--sections", default="memory,compile,step,probe")
-  p.add_argument("--preset", default="llama-350m", help="model of the memory section")
+  p.add_argument("--sections", type=comma_choices(SECTIONS), default=list(SECTIONS),
+                 help=f"comma-separated, from {','.join(SECTIONS)}")
+  p.add_argument("--preset", default="llama-350m", choices=presets,
+                 help="model of the memory section")
   p.add_argument("--mesh", default="2x4")
-  p.add_argument("--seqs", default="1024,2048", help="sequence lengths of the memory section")
-  p.add_argument("--options", default=",".join(OPTIONS),
-                 help="the option sets of the memory section: "
-                      f"{', '.join({**OPTIONS, **MORE_OPTIONS})}")
-  p.add_argument("--batch", type=int, default=8, help="global batch (memory and step)")
-  p.add_argument("--compile-preset", default="llama-125m")
-  p.add_argument("--depths", default="2,8,24")
-  p.add_argument("--step-preset", default="small")
-  p.add_argument("--step-seq", type=int, default=128)
-  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--seqs", type=comma_positive_ints, default=[1024, 2048],
+                 help="sequence lengths of the memory section")
+  p.add_argument("--options", type=comma_choices(tuple({**OPTIONS, **MORE_OPTIONS})),
+                 default=list(OPTIONS), help="the option sets of the memory section: "
+                 f"{', '.join({**OPTIONS, **MORE_OPTIONS})}")
+  p.add_argument("--batch", type=positive_int, default=8, help="global batch (memory and step)")
+  p.add_argument("--compile-preset", default="llama-125m", choices=presets)
+  p.add_argument("--depths", type=comma_positive_ints, default=[2, 8, 24])
+  p.add_argument("--step-preset", default="small", choices=presets)
+  p.add_argument("--step-seq", type=positive_int, default=128)
+  p.add_argument("--repeats", type=positive_int, default=5)
   p.add_argument("--out", default=None)
   return p.parse_args(argv)
 
@@ -96,8 +102,8 @@ def memory_section(args, log) -> list[dict]:
   from models.config import TransformerConfig
   mesh = flax_tp.make_mesh(args.mesh)
   rows = []
-  for seq in (int(s) for s in args.seqs.split(",")):
-    for name in args.options.split(","):
+  for seq in args.seqs:
+    for name in args.options:
       cfg = TransformerConfig.preset(args.preset, max_seq_len=seq, **{**OPTIONS, **MORE_OPTIONS}[name])
       compiled, seconds = abstract_step(cfg, mesh, args.batch, seq)
       stats = compiled.memory_analysis()
@@ -114,7 +120,7 @@ def compile_section(args, log) -> list[dict]:
   from models.config import TransformerConfig
   mesh = flax_tp.make_mesh(args.mesh)
   rows = []
-  for depth in (int(d) for d in args.depths.split(",")):
+  for depth in args.depths:
     for scan in (False, True):
       cfg = TransformerConfig.preset(args.compile_preset, num_layers=depth, max_seq_len=128,
                                      scan_layers=scan)
@@ -195,7 +201,7 @@ def main(argv=None) -> int:
   meshes_or_exit([args.mesh], "bench.memory")
   out_path_or_exit(args.out, "bench.memory")
   log = lambda line: print(line, file=sys.stderr, flush=True)
-  sections = args.sections.split(",")
+  sections = args.sections
   results = {"jax": jax.__version__, "mesh": args.mesh, "batch": args.batch}
   if "memory" in sections:
     results["memory"] = memory_section(args, log)

@@ -39,7 +39,7 @@ PEAK_TFLOPS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  from train.errors import OneLineParser
+  from train.errors import OneLineParser, positive_int
 
   p = OneLineParser(prog="bench.mfu", description=__doc__.splitlines()[0])
   p.add_argument("--presets", default="llama-125m,llama-350m")
@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--remat", default="",
                  help="comma-separated recomputation settings to time flax_tp under too "
                       "(block, dots_saveable, ...)")
-  p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--repeats", type=positive_int, default=10)
   p.add_argument("--peak-tflops", type=float, default=None,
                  help="the device's peak dense TFLOP/s for --dtype (default: datasheet)")
   p.add_argument("--out", default=None)
@@ -62,8 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
       raise ValueError
   except ValueError:
     p.error(f"--points must be BATCHxSEQ pairs of positive integers, got {given!r}")
-  if args.repeats < 1:
-    p.error(f"--repeats must be >= 1, got {args.repeats}")
   if args.peak_tflops is not None and not args.peak_tflops > 0:
     p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
   from models.config import REMAT_CHOICES, TransformerConfig

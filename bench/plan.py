@@ -35,21 +35,18 @@ from bench.run import (
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  from train.errors import OneLineParser
+  from train.errors import OneLineParser, positive_int
 
   p = OneLineParser(prog="bench.plan", description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="small", choices=["tiny", "small", "llama-125m"])
-  p.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
+  p.add_argument("--layers", type=positive_int, default=None,
+                 help="blocks (default: the preset's)")
   p.add_argument("--meshes", default="1x8,2x4,4x2", help="comma-separated DxM meshes")
-  p.add_argument("--batch-size", type=int, default=32)
-  p.add_argument("--seq-len", type=int, default=128)
-  p.add_argument("--repeats", type=int, default=7, help="timed steps per contender")
+  p.add_argument("--batch-size", type=positive_int, default=32)
+  p.add_argument("--seq-len", type=positive_int, default=128)
+  p.add_argument("--repeats", type=positive_int, default=7, help="timed steps per contender")
   p.add_argument("--out", default=None, help="also write the JSON here")
-  args = p.parse_args(argv)
-  for name in ("batch_size", "seq_len", "repeats"):
-    if getattr(args, name) < 1:
-      p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-  return args
+  return p.parse_args(argv)
 
 
 def _listed(sent) -> list:

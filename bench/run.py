@@ -30,21 +30,23 @@ if __package__ in (None, ""):
   sys.path.insert(0, str(ROOT))
 
 DEVICES = 8
+SECTIONS = ("audit", "peers", "overhead", "memory", "scaling", "hostmem", "device")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  from train.errors import OneLineParser
+  from train.errors import OneLineParser, comma_choices, positive_int
 
   p = OneLineParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="small", choices=["tiny", "small", "llama-125m"],
                  help="model width (8 heads, vocabulary 256 so that GSPMD can shard it)")
-  p.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
+  p.add_argument("--layers", type=positive_int, default=None,
+                 help="blocks (default: the preset's)")
   p.add_argument("--meshes", default="1x8,2x4,4x2,8x1", help="comma-separated DxM meshes")
-  p.add_argument("--repeats", type=int, default=7, help="timed steps per contender")
-  p.add_argument("--batch-size", type=int, default=32)
-  p.add_argument("--seq-len", type=int, default=128)
-  p.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                 "audit,peers,overhead,memory,scaling,hostmem,device")
+  p.add_argument("--repeats", type=positive_int, default=7, help="timed steps per contender")
+  p.add_argument("--batch-size", type=positive_int, default=32)
+  p.add_argument("--seq-len", type=positive_int, default=128)
+  p.add_argument("--skip", type=comma_choices(SECTIONS), default=[],
+                 help=f"comma-separated sections to skip: {','.join(SECTIONS)}")
   p.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
   return p.parse_args(argv)
 
@@ -189,7 +191,7 @@ def audit_step(cfg, mesh, compiled, params, batch: int, seq: int) -> dict[str, A
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  skip = set(filter(None, args.skip.split(",")))
+  skip = set(args.skip)
   meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
   os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
   import jax

@@ -56,9 +56,13 @@ class Sampling:
 
   def __post_init__(self):
     t = self.temperature
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t)
-                                                                      and t >= 0):
-      raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {t!r}")
+    f32 = np.finfo(np.float32)
+    # The logits are divided by it in float32: below the smallest normal number that
+    # overflows to inf (NaN probabilities), above the largest it is inf itself.
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
+        math.isfinite(t) and (t == 0 or float(f32.tiny) <= t <= float(f32.max))):
+      raise ValueError(f"temperature must be 0 (greedy) or a number in [{float(f32.tiny):.4g}, "
+                       f"{float(f32.max):.4g}] (float32's normal range), got {t!r}")
     k = self.top_k
     if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer))
                           or k < 1):

@@ -92,6 +92,69 @@ def test_launcher_and_benchmarks_refuse_bad_flags_in_one_line(script, argv, mess
   assert out.stderr.count("\n") == 1 and out.stderr.startswith(message), out.stderr
 
 
+def _bench(module):
+  return lambda argv: __import__(f"bench.{module}", fromlist=["main"]).main(argv)
+
+
+@pytest.mark.parametrize("entry,argv,message", [
+    (_bench("run"), ["--repeats", "-1"], "bench/run.py: error: argument --repeats: expected "
+     "an integer >= 1, got -1"),
+    (_bench("run"), ["--batch-size", "0"], "argument --batch-size: expected an integer >= 1"),
+    (_bench("run"), ["--seq-len", "-5"], "argument --seq-len: expected an integer >= 1"),
+    # An unknown section used to run everything and overwrite bench/results.json.
+    (_bench("run"), ["--skip", "bogus"], "argument --skip: unknown 'bogus'; expected"),
+    (_bench("decode"), ["--new-tokens", "-1"], "bench.decode: error: argument --new-tokens"),
+    (_bench("decode"), ["--preset", "bogus"], "argument --preset: invalid choice: 'bogus'"),
+    (_bench("decode"), ["--contexts", "128,x"], "argument --contexts: expected an integer"),
+    (_bench("memory"), ["--out", "/proc/x"], "bench.memory: error: cannot write --out "
+     "'/proc/x'"),
+    (_bench("memory"), ["--sections", "bogus"], "argument --sections: unknown 'bogus'"),
+    (_bench("memory"), ["--options", "plain,fast"], "argument --options: unknown 'fast'"),
+    (_bench("plan"), ["--repeats", "0"], "bench.plan: error: argument --repeats"),
+    (lambda argv: __import__("train.launch", fromlist=["main"]).main(argv),
+     ["--port", "99999"], "train/launch.py: error: argument --port: expected a port in "
+     "[1, 65535], got 99999"),
+    (main, ["--metrics-file", "/proc/x"], "--metrics-file '/proc/x' cannot be written"),
+    (main, ["--sample-prompt", "ab\udcff"], "--sample-prompt: it is not valid UTF-8 (byte "
+     "'ff' at character 2)"),
+])
+def test_bad_values_anywhere_exit_2_with_one_line(capsys, entry, argv, message):
+  """Every CLI refuses these before any work starts, in one line with exit status 2."""
+  try:
+    code = entry(argv)
+  except SystemExit as stop:
+    code = stop.code
+  assert code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("count", ["banana", "-3", "0"])
+def test_an_impossible_xla_device_count_is_one_line(monkeypatch, capsys, count):
+  """XLA_FLAGS is read before JAX starts; XLA itself would fail later with a traceback."""
+  monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count={count}")
+  assert main(["--mesh", "1x2"]) == 2
+  err = capsys.readouterr().err
+  assert err == (f"train/run.py: error: XLA_FLAGS sets --xla_force_host_platform_device_count="
+                 f"{count}; expected an integer >= 1\n")
+  with pytest.raises(SystemExit) as stop:
+    _bench("plan")(["--repeats", "1", "--meshes", "1x2"])
+  assert stop.value.code == 2 and "bench.plan: error: XLA_FLAGS sets" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module,argv,message", [
+    ("bench.hostmem", ["--mesh", "0x0"], "bench.hostmem: error: bad mesh spec '0x0'"),
+    ("bench.ckptmem", ["--processes", "0"], "bench.ckptmem: error: argument --processes: "
+     "expected an integer >= 1, got 0"),
+    ("bench.ckptmem", ["--processes", "3"], "argument --processes: invalid choice: 3"),
+])
+def test_memory_probes_refuse_bad_flags_in_one_line(module, argv, message):
+  out = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=env())
+  assert out.returncode == 2
+  assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+
+
 def test_simulated_devices_get_a_spare_thread_each(monkeypatch):
   """XLA:CPU's pool gets twice as many threads as simulated devices (a collective holds
   its thread while it waits; see train.run.cpu_thread_pool_size), the device count the

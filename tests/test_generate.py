@@ -150,7 +150,8 @@ def test_eos_ends_a_row_and_streaming_yields_the_same_tokens(meshes):
     (dict(prompt_ids=np.ones((1, 3), np.float32)), "integer array"),
     (dict(max_new_tokens=14), "past the model's max_seq_len 16"),
     (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
-    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), r"temperature must be 0 \(greedy\) or a number in"),
+    (dict(temperature=1e-40), r"float32.s normal range\), got 1e-40"),
     (dict(temperature=1.0, top_k=0), "top_k must be an integer >= 1"),
     (dict(temperature=1.0, top_p=1.5), r"top_p must be a number in \(0, 1\]"),
     (dict(seed=-1), "seed must be an integer"),
@@ -201,6 +202,13 @@ def test_cli_continues_a_training_checkpoint_on_another_mesh(tmp_path, capsys):
     (["--checkpoint", str(FIXTURES)], "--checkpoint: no checkpoint found"),
     (["--hf", str(FIXTURES / "llama"), "--top-p", "0"], r"--top-p must be a number in \(0, 1\]"),
     (["--hf", str(FIXTURES / "llama"), "--temperature", "nan"], "--temperature must be"),
+    # Logits / temperature in float32: below the smallest normal it overflows, above the
+    # largest float32 it is inf itself.
+    (["--hf", str(FIXTURES / "llama"), "--temperature", "1e-40"],
+     r"--temperature must be 0 \(greedy\) or a number in \[1.175e-38, 3.403e\+38\].*1e-40"),
+    (["--hf", str(FIXTURES / "llama"), "--temperature", "1e39"], "got 1e\\+39"),
+    (["--hf", str(FIXTURES / "llama"), "--prompt", "def \udcff"],
+     r"--prompt: it is not valid UTF-8 \(byte 'ff' at character 4\)"),
     (["--hf", str(FIXTURES / "llama"), "--max-new-tokens", "0"], "--max-new-tokens must be"),
     (["--hf", str(FIXTURES / "llama"), "--mesh", "1x0"], "mesh"),
     (["--hf", str(FIXTURES / "llama"), "--step", "3"], "--step needs --checkpoint"),

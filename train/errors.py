@@ -1,4 +1,5 @@
-"""Errors the training CLI reports as one line (no jax import here)."""
+"""Errors the CLIs report as one line, and the argument checks they share (no jax import
+here: XLA_FLAGS must be checked before JAX starts)."""
 
 import argparse
 import sys
@@ -20,3 +21,87 @@ class OneLineParser(argparse.ArgumentParser):
   def error(self, message):
     print(f"{self.prog}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+# -- argument types shared by the CLIs: argparse reports their errors as one line ----------
+
+def positive_int(text: str) -> int:
+  """``type=`` of a flag that must be an integer >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+  return value
+
+
+def port_number(text: str) -> int:
+  """``type=`` of a TCP port: an integer in [1, 65535]."""
+  value = positive_int(text)
+  if value > 65535:
+    raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {value}")
+  return value
+
+
+def comma_choices(allowed: tuple[str, ...]):
+  """``type=`` of a comma-separated list whose every item is one of ``allowed``."""
+  def parse(text: str) -> list[str]:
+    items = [item for item in text.split(",") if item]
+    unknown = [item for item in items if item not in allowed]
+    if unknown:
+      raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}; expected "
+                                       f"comma-separated names from {', '.join(allowed)}")
+    return items
+  return parse
+
+
+def comma_positive_ints(text: str) -> list[int]:
+  """``type=`` of a comma-separated list of integers >= 1 (``128,512``)."""
+  items = [item for item in text.split(",") if item]
+  if not items:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+  return [positive_int(item) for item in items]
+
+
+def unwritable_file(path) -> str | None:
+  """Why the file ``path`` cannot be written (created, or appended to), or None.
+
+  Tried for real, not with ``os.access``: root passes every permission check, yet
+  cannot create ``/proc/x``. A file the probe creates is removed again."""
+  import os
+  from pathlib import Path
+  path = Path(path)
+  if path.is_dir():
+    return "it is a folder"
+  existed = path.exists()
+  try:
+    with open(path, "a"):
+      pass
+  except OSError as err:
+    return err.strerror or str(err)
+  if not existed:
+    os.unlink(path)
+  return None
+
+
+def xla_device_count_problem(flags: str) -> str | None:
+  """Why ``XLA_FLAGS`` asks for an impossible number of simulated CPU devices
+  (``banana``, ``-3``, ``0``), or None; XLA itself fails later with a traceback."""
+  import re
+  for value in re.findall(r"--xla_force_host_platform_device_count=(\S*)", flags):
+    if not (value.isdigit() and int(value) >= 1):
+      return (f"XLA_FLAGS sets --xla_force_host_platform_device_count={value}; expected an "
+              "integer >= 1")
+  return None
+
+
+def not_utf8(text: str) -> str | None:
+  """Why a command-line string is not UTF-8 text, or None. Python hands undecodable
+  argument bytes over as surrogate escapes, which every encoder then refuses."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as err:
+    bad = text[err.start:err.end].encode("utf-8", "surrogateescape")
+    return f"it is not valid UTF-8 (byte {bad[:1].hex()!r} at character {err.start})"
+  return None

@@ -29,8 +29,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train.errors import RunError, UsageError
+from train.errors import RunError, UsageError, not_utf8
 from train.run import INT_MAX, SEED_LIMIT, _Parser, one_line, provide_mesh_devices
+
+# The logits are divided by the temperature in float32: below its smallest normal number
+# the division overflows to inf (NaN probabilities), above its largest it is inf itself.
+FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,8 +63,10 @@ def check_args(args: argparse.Namespace) -> None:
   if not 1 <= args.max_new_tokens <= INT_MAX:
     raise UsageError(f"--max-new-tokens must be an integer in [1, {INT_MAX}], got "
                      f"{args.max_new_tokens}")
-  if not (math.isfinite(args.temperature) and args.temperature >= 0):
-    raise UsageError(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature}")
+  t = args.temperature
+  if not (math.isfinite(t) and (t == 0 or FLOAT32_TINY <= t <= FLOAT32_MAX)):
+    raise UsageError(f"--temperature must be 0 (greedy) or a number in [{FLOAT32_TINY:.4g}, "
+                     f"{FLOAT32_MAX:.4g}] (float32's normal range), got {t}")
   if args.top_k is not None and not 1 <= args.top_k <= INT_MAX:
     raise UsageError(f"--top-k must be an integer in [1, {INT_MAX}], got {args.top_k}")
   if args.top_p is not None and not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
@@ -71,6 +77,8 @@ def check_args(args: argparse.Namespace) -> None:
     raise UsageError("--step needs --checkpoint (an HF folder holds one model)")
   if not args.prompt:
     raise UsageError("--prompt is empty: give at least one character to continue")
+  if not_utf8(args.prompt):
+    raise UsageError(f"--prompt: {not_utf8(args.prompt)}")
   folder = Path(args.hf or args.checkpoint)
   if not folder.is_dir():
     raise UsageError(f"{'--hf' if args.hf else '--checkpoint'} {str(folder)!r} is not a folder")

@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project importable
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train.errors import OneLineParser
+from train.errors import OneLineParser, port_number, positive_int
 
 RUN = Path(__file__).resolve().parent / "run.py"
 
@@ -46,15 +46,13 @@ def main(argv: list[str] | None = None) -> int:
   ours, run_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
       else (argv, [])
   parser = OneLineParser(prog="train/launch.py", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--processes", type=int, default=2, help="local processes to start")
-  parser.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+  parser.add_argument("--processes", type=positive_int, default=2,
+                      help="local processes to start")
+  parser.add_argument("--port", type=port_number, default=None,
+                      help="coordinator port (default: free)")
   parser.add_argument("--grace", type=float, default=10.0,
                       help="seconds the others get to stop after one fails")
   args = parser.parse_args(ours)
-  if args.processes < 1:
-    print(f"train/launch.py: error: --processes must be >= 1, got {args.processes}",
-          file=sys.stderr)
-    return 2
   port = args.port or free_port()
   children = []
   for pid in range(args.processes):

@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from models.config import REMAT_CHOICES, TransformerConfig
 from train import distributed as train_distributed
-from train.errors import RunError, UsageError
+from train.errors import RunError, UsageError, not_utf8, unwritable_file, xla_device_count_problem
 
 DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=128, lr=3e-3,
                 warmup_steps=40, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
@@ -151,6 +151,8 @@ def check_args(args: argparse.Namespace) -> None:
     value = getattr(args, name)
     if not (math.isfinite(value) and ok(value)):
       raise UsageError(f"{_flag(name)} must be {expected}, got {value}")
+  if not_utf8(args.sample_prompt):
+    raise UsageError(f"--sample-prompt: {not_utf8(args.sample_prompt)}")
   if args.resume and args.overwrite:
     raise UsageError("--resume and --overwrite contradict each other: --resume continues the "
                      "run in --checkpoint-dir, --overwrite deletes its checkpoints")
@@ -189,15 +191,12 @@ def check_writable_file(flag: str, path: Path) -> None:
   """``path`` is a file that can be appended to, or can be created (nothing is written)."""
   if path.is_dir():
     raise UsageError(f"{flag} {str(path)!r} is a folder, not a file")
-  if path.exists():
-    if not os.access(path, os.W_OK):
-      raise UsageError(f"{flag} {str(path)!r} is not writable")
-    return
   parent = path.parent
   if not parent.is_dir():
     raise UsageError(f"{flag} {str(path)!r}: folder {str(parent)!r} does not exist")
-  if not os.access(parent, os.W_OK | os.X_OK):
-    raise UsageError(f"{flag} {str(path)!r}: folder {str(parent)!r} is not writable")
+  why = unwritable_file(path)
+  if why:
+    raise UsageError(f"{flag} {str(path)!r} cannot be written: {why}")
 
 
 # Simulated CPU devices are threads sharing the host's cores. XLA aborts the whole
@@ -228,6 +227,9 @@ def provide_cpu_devices(count: int) -> None:
   them a thread pool with a spare thread per device (``cpu_thread_pool_size``, unless
   ``NPROC`` is set)."""
   flags = os.environ.get("XLA_FLAGS", "")
+  problem = xla_device_count_problem(flags)
+  if problem:
+    raise UsageError(problem)
   if "xla_force_host_platform_device_count" not in flags:
     flags = f"{flags} --xla_force_host_platform_device_count={count}"
   if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
