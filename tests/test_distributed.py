@@ -130,6 +130,46 @@ def test_killing_one_process_stops_the_other(tmp_path, corpus):
   assert "lost contact with another process" in err or "another task died" in err, err[-2000:]
 
 
+def test_killing_worker_0_of_the_launcher_is_one_line_and_status_1(tmp_path, corpus):
+  """The survivors' gRPC logs go to files; the launcher names the process that was killed."""
+  port = free_port()
+  metrics = tmp_path / "m.jsonl"
+  launcher = subprocess.Popen(
+      [sys.executable, str(ROOT / "train" / "launch.py"), "--processes", "2", "--port",
+       str(port), "--", "--mesh", "2x4", "--steps", "100000", *FLAGS, "--data", corpus,
+       "--metrics-file", str(metrics), "--heartbeat-timeout", "10"],
+      env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count(
+        '"loss"') >= 3):
+      assert launcher.poll() is None, launcher.stderr.read()[-2000:]
+      time.sleep(0.2)
+    wanted = {b"FLAX_TP_PROCESS_ID=0", f"FLAX_TP_COORDINATOR=127.0.0.1:{port}".encode()}
+    (worker0,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                  and _environ(p) >= wanted]
+    os.kill(worker0, signal.SIGKILL)
+    code = launcher.wait(timeout=90)
+    err = launcher.stderr.read()
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+  assert code == 1, err
+  assert err.count("\n") == 1 and err.startswith(
+      "train/launch.py: error: process 0 was killed by SIGKILL; the run stopped"), err
+  logs = Path(err.split("native logs in ")[1].strip()) if "native logs in" in err else None
+  if logs is not None:
+    assert logs.is_dir()
+    shutil.rmtree(logs)
+
+
+def _environ(proc: Path) -> set[bytes]:
+  try:
+    return set((proc / "environ").read_bytes().split(b"\0"))
+  except OSError:  # gone, or not ours
+    return set()
+
+
 def test_missing_coordinator_is_a_clear_error_after_a_bounded_wait(corpus):
   t0 = time.time()
   out = subprocess.run(

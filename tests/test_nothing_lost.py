@@ -129,6 +129,32 @@ def test_second_signal_aborts_at_once(monkeypatch, capfd):
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
 
+@pytest.mark.parametrize("signals", [1, 2])
+def test_ctrl_c_during_start_up_is_one_line(signals):
+  """Ctrl-C while the script imports JAX (and a second one): one line, status 130."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.Popen([sys.executable, str(ROOT / "train" / "run.py"), "--mesh", "2x4"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  time.sleep(0.5)  # python is up (the handler is set first thing), JAX is being imported
+  for _ in range(signals):
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130 and err == "train/run.py: interrupted\n", err
+
+
+def test_no_blank_line_before_an_error_on_a_cold_cache(tmp_path, monkeypatch, capsys):
+  """Tokenizing into an empty cache shows no progress bar off a terminal (rich's transient
+  bar left an empty line before the error)."""
+  monkeypatch.setenv("FLAX_TP_CACHE", str(tmp_path / "cache"))
+  data = tmp_path / "tiny.txt"
+  data.write_text("abc\n")
+  assert main([*FLAGS, "--mesh", "1x2", "--data", str(data)]) == 2
+  captured = capsys.readouterr()
+  assert captured.out == ""
+  assert captured.err.startswith("train/run.py: error: --data") and captured.err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--seed", "-1"], "--seed must be an integer in [0, 2**32), got -1"),
     (["--seed", "99999999999999999999"], "--seed must be an integer in [0, 2**32)"),

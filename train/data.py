@@ -89,6 +89,14 @@ def text_files(path: Path) -> list[Path]:
   raise ValueError(f"--data {str(path)!r} is neither a file nor a folder")
 
 
+def _terminal():
+  """A rich Console on stdout when it is a terminal, else None: off a terminal rich's
+  transient progress bar leaves an empty line behind (before an error, in a log)."""
+  from rich.console import Console
+  console = Console()
+  return console if console.is_terminal else None
+
+
 def cache_dir() -> Path:
   return Path(os.environ.get("FLAX_TP_CACHE") or Path.home() / ".cache" / "flax_tp")
 
@@ -251,10 +259,10 @@ def _cached_tokens(files: list[Path], key: str, tokenizer, cache: Path,
   fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tokens-", suffix=".tmp")
   try:
     with os.fdopen(fd, "wb") as out:
-      if show_progress:
+      if show_progress and _terminal() is not None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
         with Progress(TextColumn("[bold]tokenizing"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("files"), transient=True) as bar:
+                      TextColumn("files"), transient=True, console=_terminal()) as bar:
           task = bar.add_task("tokenize", total=len(files))
           report = tokenize_to_file(files, out, tokenizer, lambda _: bar.advance(task))
       else:

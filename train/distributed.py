@@ -18,7 +18,7 @@ import re
 import sys
 import threading
 
-from train.errors import UsageError
+from train.errors import UsageError, say
 
 ENV = {"coordinator": "FLAX_TP_COORDINATOR", "num_processes": "FLAX_TP_NUM_PROCESSES",
        "process_id": "FLAX_TP_PROCESS_ID"}
@@ -89,6 +89,20 @@ def silence_native_stdout() -> None:
   sys.stdout = os.fdopen(real_stdout, "w", buffering=1, encoding="utf-8")
 
 
+def divert_native_stderr(path: str) -> None:
+  """Sends what native code writes to stderr (gRPC's and XLA's log lines) to the file
+  ``path``; Python's ``sys.stderr`` keeps the real one, so the run's own one-line errors
+  still reach the terminal. ``train/launch.py`` asks for it (``FLAX_TP_NATIVE_LOG``): when
+  a peer dies, every survivor's gRPC client logs a screenful."""
+  sys.stderr.flush()
+  real_stderr = os.dup(2)
+  log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  os.dup2(log, 2)
+  os.close(log)
+  sys.stderr = os.fdopen(real_stderr, "w", buffering=1, encoding="utf-8",
+                         errors="backslashreplace")
+
+
 def initialize(settings: Distributed, *, timeout_s: int, heartbeat_s: int) -> None:
   """Starts JAX's distributed runtime; must run before any other JAX work.
 
@@ -122,7 +136,7 @@ def initialize(settings: Distributed, *, timeout_s: int, heartbeat_s: int) -> No
 
 
 def _die(message: str) -> None:
-  os.write(2, f"train/run.py: error: {message}\n".encode())
+  say(f"train/run.py: error: {message}")
   os._exit(1)
 
 

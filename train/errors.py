@@ -105,3 +105,40 @@ def not_utf8(text: str) -> str | None:
     bad = text[err.start:err.end].encode("utf-8", "surrogateescape")
     return f"it is not valid UTF-8 (byte {bad[:1].hex()!r} at character {err.start})"
   return None
+
+
+def stderr_fd() -> int:
+  """The file descriptor of Python's stderr: the terminal even where a multi-process run
+  diverted native (C++) log lines away from descriptor 2."""
+  try:
+    return sys.stderr.fileno()
+  except (AttributeError, OSError, ValueError):  # a test's in-memory capture
+    return 2
+
+
+def say(line: str) -> None:
+  """``line`` on stderr straight through the descriptor: safe in a signal handler and
+  while a live progress display holds ``sys.stderr``."""
+  import os
+  os.write(stderr_fd(), (line + "\n").encode())
+
+
+def exit_on_interrupt(prog: str) -> None:
+  """From now until a run installs its own handler, Ctrl-C ends the process at once
+  with one line and status 130.
+
+  For the start-up of a script: there is nothing to save yet, and Python's
+  ``KeyboardInterrupt`` would print a traceback from wherever an import or JAX's own
+  start-up happened to be (or, a second Ctrl-C, from its shutdown)."""
+  import os
+  import signal
+
+  def handler(signum, _frame):
+    try:
+      sys.stdout.flush()
+    except Exception:  # a closed or broken stdout must not stop the exit
+      pass
+    say(f"{prog}: interrupted")
+    os._exit(128 + signum)
+
+  signal.signal(signal.SIGINT, handler)

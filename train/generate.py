@@ -29,7 +29,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train.errors import RunError, UsageError, not_utf8
+from train.errors import RunError, UsageError, exit_on_interrupt, not_utf8
+
+if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there is one line
+  exit_on_interrupt("train/generate.py")
+
 from train.run import INT_MAX, SEED_LIMIT, _Parser, one_line, provide_mesh_devices
 
 # The logits are divided by the temperature in float32: below its smallest normal number

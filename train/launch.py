@@ -6,18 +6,22 @@
 Each process gets a share of simulated CPU devices (mesh devices / N) and joins
 JAX's distributed runtime through a coordinator on a free localhost port; the
 mesh after ``--`` is global. Process 0 prints; the others print only errors.
-If one process fails, the others are stopped and the launcher exits with its
-status. For real hosts, run train/run.py on each with --coordinator,
+If one process fails, the others are stopped and the launcher reports the run's
+failure in one line: a process killed by a signal (status 1), or the first failing
+process's own error (with its status). The processes' native (C++) log lines go to
+files in a temporary folder, named in that line when there are any. For real hosts, run train/run.py on each with --coordinator,
 --num-processes and --process-id (see the README).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,8 +39,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def _pump(stream, out, prefix: str) -> None:
+ERROR_PREFIX = "train/run.py: error: "
+
+
+def _pump(stream, out, prefix: str, held: list[str] | None = None) -> None:
+  """Copies a child's lines to ``out``; with ``held``, its error lines go there instead
+  (the launcher reports one line for the whole run, not one per process)."""
   for line in iter(stream.readline, ""):
+    if held is not None and line.startswith(ERROR_PREFIX):
+      held.append(line.rstrip("\n"))
+      continue
     out.write(prefix + line)
     out.flush()
 
@@ -54,24 +66,13 @@ def main(argv: list[str] | None = None) -> int:
                       help="seconds the others get to stop after one fails")
   args = parser.parse_args(ours)
   port = args.port or free_port()
-  children = []
-  for pid in range(args.processes):
-    env = {**os.environ, "FLAX_TP_COORDINATOR": f"127.0.0.1:{port}",
-           "FLAX_TP_NUM_PROCESSES": str(args.processes), "FLAX_TP_PROCESS_ID": str(pid),
-           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    # A session of its own: a terminal's Ctrl-C reaches the launcher only, which
-    # forwards it once (a second, separate signal would make run.py abort unsaved).
-    child = subprocess.Popen([sys.executable, str(RUN), *run_args], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             start_new_session=True)
-    prefix = "" if pid == 0 else f"[process {pid}] "
-    # Only process 0 speaks; the others' stdout is their (silent) console.
-    threading.Thread(target=_pump, args=(child.stdout, sys.stdout if pid == 0 else
-                                         open(os.devnull, "w"), prefix), daemon=True).start()
-    threading.Thread(target=_pump, args=(child.stderr, sys.stderr, prefix), daemon=True).start()
-    children.append(child)
-
+  # Native (C++) log lines of the children (gRPC's, when a peer dies) go to files here,
+  # named in the failure line; the terminal gets the run's own one-line errors.
+  logs = Path(tempfile.mkdtemp(prefix="flax_tp-launch-"))
+  children: list[subprocess.Popen] = []
+  held: list[list[str]] = []
   interrupted: list[int] = []
+  stopped: set[int] = set()  # children the launcher itself signalled
 
   def forward(signum, _frame):
     # Each signal the launcher gets goes to every child once: the first makes
@@ -81,23 +82,77 @@ def main(argv: list[str] | None = None) -> int:
       if c.poll() is None:
         c.send_signal(signum)
 
-  for signum in (signal.SIGINT, signal.SIGTERM):
+  for signum in (signal.SIGINT, signal.SIGTERM):  # before any child: none is left behind
     signal.signal(signum, forward)
-  status = 0
+  threads = []
+  for pid in range(args.processes):
+    env = {**os.environ, "FLAX_TP_COORDINATOR": f"127.0.0.1:{port}",
+           "FLAX_TP_NUM_PROCESSES": str(args.processes), "FLAX_TP_PROCESS_ID": str(pid),
+           "FLAX_TP_NATIVE_LOG": str(logs / f"process-{pid}.log"),
+           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    # A session of its own: a terminal's Ctrl-C reaches the launcher only, which
+    # forwards it once (a second, separate signal would make run.py abort unsaved).
+    child = subprocess.Popen([sys.executable, str(RUN), *run_args], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    prefix = "" if pid == 0 else f"[process {pid}] "
+    held.append([])
+    # Only process 0 speaks; the others' stdout is their (silent) console.
+    threads.append(threading.Thread(target=_pump, args=(
+        child.stdout, sys.stdout if pid == 0 else open(os.devnull, "w"), prefix), daemon=True))
+    threads.append(threading.Thread(target=_pump, args=(child.stderr, sys.stderr, prefix,
+                                                        held[pid]), daemon=True))
+    threads[-2].start()
+    threads[-1].start()
+    children.append(child)
+
+  failed_first: int | None = None
   while any(c.poll() is None for c in children):
-    failed = [(i, c.returncode) for i, c in enumerate(children) if c.returncode not in (None, 0)]
+    failed = [i for i, c in enumerate(children) if c.returncode not in (None, 0)]
     if failed and not interrupted:
-      pid, status = failed[0]
-      print(f"train/launch.py: process {pid} exited with status {status}; stopping the others",
-            file=sys.stderr, flush=True)
+      failed_first = failed[0]
+      stopped.update(i for i, c in enumerate(children) if c.poll() is None)
       _stop(children, args.grace)
       break
     time.sleep(0.2)
   codes = [c.wait() for c in children]
-  time.sleep(0.2)  # let the output threads drain
+  for t in threads:
+    t.join(timeout=5)  # the output drained
   if interrupted:
+    for lines in held:  # what the children said while stopping
+      for line in dict.fromkeys(lines):
+        print(line, file=sys.stderr)
+    shutil.rmtree(logs, ignore_errors=True)
     return 128 + interrupted[0]
-  return status or next((c for c in codes if c), 0)
+  if not any(codes):
+    shutil.rmtree(logs, ignore_errors=True)
+    return 0
+  line, status = _failure(codes, held, stopped, failed_first)
+  native = sorted(p for p in logs.glob("*.log") if p.stat().st_size)
+  where = f"; native logs in {logs}" if native else ""
+  if not native:
+    shutil.rmtree(logs, ignore_errors=True)
+  print(f"{line}{where}", file=sys.stderr, flush=True)
+  return status
+
+
+def _failure(codes: list[int], held: list[list[str]], stopped: set[int],
+             first: int | None) -> tuple[str, int]:
+  """The one line and exit status that explain a failed run.
+
+  A process killed by a signal nobody in the run sent (an OOM killer, ``kill -9``) is
+  the cause, whatever the others said after losing it: status 1. Otherwise the first
+  process that failed speaks, once, with its own status (2: bad input, 1: failure)."""
+  for i, code in enumerate(codes):
+    if code < 0 and i not in stopped:
+      name = signal.Signals(-code).name
+      return f"train/launch.py: error: process {i} was killed by {name}; the run stopped", 1
+  order = ([first] if first is not None else []) + [i for i, c in enumerate(codes) if c]
+  for i in order:
+    if held[i]:
+      return held[i][0], codes[i] if codes[i] > 0 else 1
+  i = order[0]
+  return f"train/launch.py: error: process {i} exited with status {codes[i]}", 1
 
 
 def _stop(children, grace: float) -> None:

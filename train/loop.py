@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from models.config import TransformerConfig
 from models.hf import HFConfigError, load_hf, read_config
 from models.transformer import Transformer
 from train.data import HFTokenizer, TokenCorpus
-from train.errors import RunError, UsageError
+from train.errors import RunError, UsageError, say
 from train.sample import sample_tokens
 from train.step import LossOptions, Trainer, make_optimizer
 
@@ -137,11 +138,12 @@ class Interrupts:
   def _handle(self, signum: int, _frame) -> None:
     name = signal.Signals(signum).name
     if self.received is not None:
-      os.write(2, f"train/run.py: second signal ({name}): aborting without saving\n".encode())
+      say(f"train/run.py: second signal ({name}): aborting without saving")
       os._exit(128 + signum)
     self.received = signum
-    os.write(2, f"\n{name} received: stopping after the current step (send it again to "
-                f"abort at once)\n".encode())
+    # On a terminal a new line first ends the progress bar's line; a log gets no blank line.
+    say(("\n" if sys.stdout.isatty() else "") + f"{name} received: stopping after the current "
+        "step (send it again to abort at once)")
 
   def requested(self) -> bool:
     """Whether any process of the run was signalled (all processes agree, then stop

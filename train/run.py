@@ -22,9 +22,21 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from train.errors import (
+  RunError,
+  UsageError,
+  exit_on_interrupt,
+  not_utf8,
+  say,
+  unwritable_file,
+  xla_device_count_problem,
+)
+
+if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there is one line
+  exit_on_interrupt("train/run.py")
+
 from models.config import REMAT_CHOICES, TransformerConfig
 from train import distributed as train_distributed
-from train.errors import RunError, UsageError, not_utf8, unwritable_file, xla_device_count_problem
 
 DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=128, lr=3e-3,
                 warmup_steps=40, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
@@ -263,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     provide_mesh_devices(args.mesh, (distributed.num_processes or 1) if distributed else 1)
     if distributed:
       train_distributed.silence_native_stdout()
+      if os.environ.get("FLAX_TP_NATIVE_LOG"):
+        train_distributed.divert_native_stderr(os.environ["FLAX_TP_NATIVE_LOG"])
       train_distributed.initialize(distributed, timeout_s=args.init_timeout,
                                    heartbeat_s=args.heartbeat_timeout)
     from train.loop import run  # imports jax: after the device count is set
@@ -277,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
       # Straight to the file descriptor (a live progress display may still hold
       # sys.stderr), then skip JAX's shutdown barrier, which would wait for the
       # dead process.
-      os.write(2, f"train/run.py: error: {reason}; stopping\n".encode())
+      say(f"train/run.py: error: {reason}; stopping")
       os._exit(1)
   except UsageError as err:
     print(f"train/run.py: error: {err}", file=sys.stderr)
