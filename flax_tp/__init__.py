@@ -13,7 +13,12 @@ from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
 from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_parallel
 from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
 from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, make_mesh, parse_mesh_spec
-from flax_tp.partition import KVHeadLayout, ShardLayout, split_tensor_for_parallelism
+from flax_tp.partition import (
+    KVHeadLayout,
+    SegmentedLayout,
+    ShardLayout,
+    split_tensor_for_parallelism,
+)
 from flax_tp.plan import explain_plan, parallelize
 from flax_tp.sampling import vocab_parallel_sample
 from flax_tp.state import (
@@ -48,6 +53,7 @@ __all__ = [
     "reduce_scatter",
     "replicate_on_mesh",
     "RowParallelDense",
+    "SegmentedLayout",
     "shard_index",
     "ShardLayout",
     "split_tensor_for_parallelism",

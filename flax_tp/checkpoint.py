@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_tp.partition import ShardLayout
+from flax_tp.partition import KVHeadLayout, ShardLayout
 from flax_tp.state import layer_path, stacked_layers, stored_like
 
 FORMAT = "flax_tp/sharded-1"
@@ -128,23 +128,26 @@ def _runs(stored: slice, layout: ShardLayout | None,
   """``[(stored_start, stored_stop, logical_start)]``: the logical data in a stored range.
 
   Without a layout the stored range is logical. With one, each padded shard
-  ``i`` of the range contributes its first ``sizes[i]`` elements; padding none.
-  ``first_copies`` keeps only elements no earlier shard holds (a ``KVHeadLayout``
-  stores some kv heads on several shards; a checkpoint writes each once).
+  ``i`` of the range contributes its logical runs (``layout.runs(i)``: its first
+  ``sizes[i]`` elements, or one slot per segment of a ``SegmentedLayout``); padding
+  none. ``first_copies`` keeps only elements no earlier shard holds (a
+  ``KVHeadLayout`` stores some kv heads on several shards; a checkpoint writes each once).
   """
   if layout is None:
     return [(stored.start, stored.stop, stored.start)]
   q, runs = layout.padded_size, []
   for i in range(stored.start // q, -(-stored.stop // q)):
-    skip = 0
-    if first_copies:
+    shard_runs = layout.runs(i)
+    if first_copies and isinstance(layout, KVHeadLayout):
       held = max((o + s for o, s in zip(layout.offsets[:i], layout.sizes[:i], strict=True)
                   if s), default=0)
       skip = max(0, min(held - layout.offsets[i], layout.sizes[i]))
-    lo = max(stored.start, i * q + skip)
-    hi = min(stored.stop, i * q + layout.sizes[i])
-    if hi > lo:
-      runs.append((lo, hi, layout.offsets[i] + lo - i * q))
+      shard_runs = ((skip, layout.sizes[i] - skip, layout.offsets[i] + skip),)
+    for local, size, logical in shard_runs:
+      lo = max(stored.start, i * q + local)
+      hi = min(stored.stop, i * q + local + size)
+      if hi > lo:
+        runs.append((lo, hi, logical + lo - (i * q + local)))
   return runs
 
 

@@ -80,8 +80,9 @@ class ParallelModule(nnx.Module):
     args, in_specs = list(args), list(in_specs)
     split = batch is not None and self._splits_batch(args[batch], min_ndim)
     data = (DATA_AXIS,) if split else ()
-    if split:
-      out_specs = P(DATA_AXIS, *tuple(out_specs)[1:])
+    if split:  # one spec, or a list of them (one per output)
+      out_specs = ([P(DATA_AXIS, *tuple(s)[1:]) for s in out_specs]
+                   if isinstance(out_specs, list) else P(DATA_AXIS, *tuple(out_specs)[1:]))
     if not is_traced(args):
       # No gradient to share. Compile the map as one program: eager shard_map
       # would dispatch (and compile) every operation of the layer on its own.

@@ -29,7 +29,7 @@ from flax_tp.collectives import (
 from flax_tp.layer import ParallelModule
 from flax_tp.matmul import dense_matmul
 from flax_tp.mesh import MODEL_AXIS
-from flax_tp.partition import KVHeadLayout, ShardLayout
+from flax_tp.partition import KVHeadLayout, SegmentedLayout, ShardLayout
 from flax_tp.state import masked, sharded_param, sum_over_replicas
 
 Array = jax.Array
@@ -120,7 +120,9 @@ class ColumnParallelDense(_ParallelDense):
   ready for a ``RowParallelDense(input_is_parallel=True)``.
   ``shard_unit`` splits ``out`` in whole blocks (e.g. ``head_dim``); ``layout``
   may instead give the split, e.g. a ``KVHeadLayout`` for grouped-query keys and
-  values, whose replicated heads get the sum of their copies' gradients.
+  values, whose replicated heads get the sum of their copies' gradients, or a
+  ``SegmentedLayout`` for a fused ``[q | k | v]`` output (each part split on its own;
+  standalone, the output is the concatenation of the parts' split outputs).
 
   ``sequence_parallel`` (Megatron's sequence parallelism): inside ``shard_map``
   ``x [..., s_local, in]`` is this device's block of the sequence (axis -2),
@@ -144,11 +146,25 @@ class ColumnParallelDense(_ParallelDense):
         inputs = gather_to_parallel(inputs, axis=-2, axis_name=self.axis_name)
       return self._local(*self._params(), inputs, gather=self.gather_output)
     kernel_spec, bias_spec = self._param_specs()
+    specs = (kernel_spec, bias_spec, P())
+    if isinstance(self.layout, SegmentedLayout) and not self.gather_output:
+      # Each segment leaves the map as its own split array, and the logical output is
+      # their concatenation: code that splits it back ([q | k | v] -> q, k, v) reads
+      # each part where it lies (XLA folds the slices of the concatenation).
+      layouts, slots = self.layout.layouts, self.layout.slot_offsets
+
+      def segments(k, b, x):
+        y = self._local(k, b, x, gather=False)
+        return [y[..., at:at + s.padded_size] for at, s in zip(slots, layouts, strict=True)]
+
+      ys = self._run_standalone(segments, (*self._params(), inputs), specs,
+                                [self._spec(inputs.ndim, -1)] * len(layouts), batch=2,
+                                share_input=True)
+      return jnp.concatenate([s.unpad(y, -1) for s, y in zip(layouts, ys, strict=True)], -1)
     out_spec = P() if self.gather_output else self._spec(inputs.ndim, -1)
     y = self._run_standalone(
         lambda k, b, x: self._local(k, b, x, gather=self.gather_output),
-        (*self._params(), inputs), (kernel_spec, bias_spec, P()), out_spec, batch=2,
-        share_input=True)
+        (*self._params(), inputs), specs, out_spec, batch=2, share_input=True)
     return y if self.gather_output else self.layout.unpad(y, -1)
 
   def _local_params(self, kernel: Array, bias: Array | None) -> tuple[Array, Array | None]:

@@ -113,6 +113,11 @@ class ShardLayout:
     """Elements every shard stores (its logical part plus zero padding)."""
     return max(self.sizes)
 
+  def runs(self, index: int) -> tuple[tuple[int, int, int], ...]:
+    """``((start in the shard, length, logical start), ...)``: the logical ranges shard
+    ``index`` stores (one here; one per segment in a ``SegmentedLayout``)."""
+    return ((0, self.sizes[index], self.offsets[index]),)
+
   @property
   def padded_total(self) -> int:
     """Size of the stored global dimension: ``parts * padded_size``."""
@@ -120,8 +125,13 @@ class ShardLayout:
 
   @property
   def is_even(self) -> bool:
-    """True when no shard carries padding (stored == logical)."""
+    """True when no shard carries padding."""
     return self.padded_total == self.size
+
+  @property
+  def stored_is_logical(self) -> bool:
+    """True when the stored form is the logical tensor itself (no padding, in order)."""
+    return self.is_even
 
   def valid_mask(self) -> np.ndarray:
     """``[padded_total]`` bool: True at stored positions that hold logical data."""
@@ -152,7 +162,7 @@ class ShardLayout:
   def pad(self, tensor: Array, dim: int) -> Array:
     """The stored form ``[..., padded_total, ...]`` of a logical tensor."""
     dim = _check_split_args(np.ndim(tensor), 0, 1, dim)
-    if self.is_even:
+    if self.stored_is_logical:
       self._check_dim(tensor, dim)
       return tensor
     xp = jnp if isinstance(tensor, jax.Array) else np
@@ -167,7 +177,7 @@ class ShardLayout:
           f"stored dimension {dim} has {stored.shape[dim]} elements, expected "
           f"{self.padded_total} ({self})"
       )
-    if self.is_even:
+    if self.stored_is_logical:
       return stored
     xp = jnp if isinstance(stored, jax.Array) else np
     return xp.take(stored, self.valid_indices(), axis=dim)
@@ -247,3 +257,95 @@ class KVHeadLayout(ShardLayout):
     for i, (offset, size) in enumerate(self._bounds):
       table[i, :size] = offset + np.arange(size)
     return table
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentedLayout(ShardLayout):
+  """A dimension made of ``segments`` (e.g. a fused q/k/v projection's ``[q | k | v]``
+  outputs), each split over the shards on its own, in whole ``unit`` blocks.
+
+  Shard ``i`` stores one slot per segment, in order: segment ``s``'s part ``i`` (as
+  ``ShardLayout(segments[s], parts, unit)`` splits it) padded to that segment's
+  ``padded_size``. So every device holds whole heads of q, of k and of v, and the
+  fused output splits into its segments locally, with no communication. Logical
+  order is the segments' concatenation.
+
+  A shard holds several logical ranges: use ``runs``, not ``offsets``.
+  """
+
+  segments: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.parts < 1:
+      raise ValueError(f"parts must be >= 1, got {self.parts}")
+    if not self.segments or sum(self.segments) != self.size:
+      raise ValueError(f"segments {self.segments} must be non-empty and add up to size "
+                       f"{self.size}")
+    if self.unit < 1 or any(n < 1 or n % self.unit for n in self.segments):
+      raise ValueError(f"every segment of {self.segments} must be a positive multiple of "
+                       f"unit {self.unit} (e.g. whole heads)")
+
+  @functools.cached_property
+  def layouts(self) -> tuple[ShardLayout, ...]:
+    """The layout of each segment on its own."""
+    return tuple(ShardLayout(n, self.parts, self.unit) for n in self.segments)
+
+  @functools.cached_property
+  def slot_offsets(self) -> tuple[int, ...]:
+    """Where each segment's slot starts inside a shard."""
+    return tuple(int(o) for o in np.cumsum([0] + [s.padded_size for s in self.layouts])[:-1])
+
+  @functools.cached_property
+  def logical_offsets(self) -> tuple[int, ...]:
+    """Where each segment starts in the logical dimension."""
+    return tuple(int(o) for o in np.cumsum((0,) + self.segments)[:-1])
+
+  @property
+  def sizes(self) -> tuple[int, ...]:
+    return tuple(sum(s.sizes[i] for s in self.layouts) for i in range(self.parts))
+
+  @property
+  def offsets(self) -> tuple[int, ...]:
+    raise TypeError("a SegmentedLayout shard holds one logical range per segment: use runs()")
+
+  @property
+  def padded_size(self) -> int:
+    return sum(s.padded_size for s in self.layouts)
+
+  @property
+  def is_even(self) -> bool:
+    """No shard carries padding. (The stored order is still not the logical one.)"""
+    return all(s.is_even for s in self.layouts)
+
+  @property
+  def stored_is_logical(self) -> bool:
+    # Without padding a shard still interleaves the segments, unless there is one shard.
+    return self.is_even and (self.parts == 1 or len(self.segments) == 1)
+
+  def runs(self, index: int) -> tuple[tuple[int, int, int], ...]:
+    return tuple((slot, s.sizes[index], start + s.offsets[index])
+                 for slot, start, s in zip(self.slot_offsets, self.logical_offsets,
+                                           self.layouts, strict=True))
+
+  def valid_mask(self) -> np.ndarray:
+    per_shard = [np.concatenate([np.arange(s.padded_size) < s.sizes[i] for s in self.layouts])
+                 for i in range(self.parts)]
+    return np.concatenate(per_shard)
+
+  def valid_indices(self) -> np.ndarray:
+    out = []
+    for slot, s in zip(self.slot_offsets, self.layouts, strict=True):
+      own = s.valid_indices()  # positions in the segment's own stored form
+      out.append(own // s.padded_size * self.padded_size + slot + own % s.padded_size)
+    return np.concatenate(out)
+
+  def local_mask(self, shard_index: Array) -> jax.Array:
+    return jnp.concatenate([s.local_mask(shard_index) for s in self.layouts])
+
+  def shard(self, tensor: Array, index: int, dim: int) -> Array:
+    dim = _check_split_args(np.ndim(tensor), index, self.parts, dim)
+    self._check_dim(tensor, dim)
+    xp = jnp if isinstance(tensor, jax.Array) else np
+    parts = [s.shard(xp.take(tensor, np.arange(start, start + s.size), axis=dim), index, dim)
+             for start, s in zip(self.logical_offsets, self.layouts, strict=True)]
+    return xp.concatenate(parts, axis=dim)

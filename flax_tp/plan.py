@@ -24,14 +24,17 @@ used twice (a tied embedding) is summed over ``"data"`` once
 the vocabulary, so the plain loss reduces ``[b, s]`` sums across devices instead
 of gathering ``[b, s, vocab]``.
 
-``plan=None`` infers the plan from the traced data flow (``plan_inference``).
+``plan=None`` infers the plan from the traced data flow (``plan_inference``). A
+given plan with ``inputs`` gets the same trace: heads kept whole, a column output
+the model splits into parts (a fused q/k/v) split part by part, and a refusal for a
+split layer whose params the model reads outside its call.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flax import nnx
@@ -41,7 +44,7 @@ from flax_tp import plan_inference
 from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
 from flax_tp.linear import ColumnParallelDense, RowParallelDense
 from flax_tp.mesh import MODEL_AXIS
-from flax_tp.partition import ShardLayout
+from flax_tp.partition import SegmentedLayout, ShardLayout
 from flax_tp.state import load_unsharded, replicate_on_mesh
 
 STYLES = ("column", "row", "vocab", "embed_features", "replicate")
@@ -62,6 +65,7 @@ class _Entry:
   pattern: str | None
   unit: int = 1
   reason: str = ""
+  segments: tuple[int, ...] | None = None  # a column output split into these parts
 
 
 def _style(name: Any, pattern: str) -> str:
@@ -115,7 +119,12 @@ def _parallel_layer(entry: _Entry, mesh: Mesh, axis_name: str) -> nnx.Module | N
                   param_dtype=m.param_dtype, precision=m.precision,
                   dot_general=m.dot_general, promote_dtype=m.promote_dtype,
                   rngs=nnx.Rngs(0))
-    if entry.style == "column":
+    if entry.style == "column" and entry.segments:
+      layout = SegmentedLayout(m.out_features, mesh.shape[axis_name], entry.unit,
+                               entry.segments)
+      layer = ColumnParallelDense(m.in_features, m.out_features, gather_output=False,
+                                  layout=layout, **kwargs)
+    elif entry.style == "column":
       layer = ColumnParallelDense(m.in_features, m.out_features, gather_output=False,
                                   shard_unit=entry.unit, **kwargs)
     else:
@@ -147,14 +156,17 @@ def _entries(model: nnx.Module, plan: dict[str, str] | None,
   if plan is not None:
     entries = _resolve(model, plan)
     split = [e.path for e in entries if e.style not in ("replicate",)]
-    if inputs is not None and split:  # check that the model uses them only through calls
-      found = plan_inference.trace(model, split, tuple(inputs))
-      for e in entries:
-        if e.path in found.direct:
-          raise ValueError(f"plan pattern {e.pattern!r}: the model reads the params of "
-                           f"{e.path!r} outside its call, where a {e.style!r} split would "
-                           "hand it the padded, sharded param; plan it 'replicate'")
-    return entries
+    if inputs is None or not split:
+      return entries
+    # The trace checks that the model uses them only through their calls, and finds what
+    # the inference would: heads (kept whole), column outputs split into parts.
+    found = plan_inference.trace(model, split, tuple(inputs))
+    for e in entries:
+      if e.path in found.direct:
+        raise ValueError(f"plan pattern {e.pattern!r}: the model reads the params of "
+                         f"{e.path!r} outside its call, where a {e.style!r} split would "
+                         "hand it the padded, sharded param; plan it 'replicate'")
+    return [_with_heads(e, found) for e in entries]
   if inputs is None:
     raise ValueError("plan=None infers the plan by tracing the forward pass: pass "
                      "inputs=(example arguments or jax.ShapeDtypeStructs, as model(*inputs))")
@@ -166,8 +178,22 @@ def _entries(model: nnx.Module, plan: dict[str, str] | None,
     raise ValueError("the model has no nnx.Linear or nnx.Embed to parallelize")
   found = plan_inference.trace(model, list(layers), tuple(inputs))
   inferred = plan_inference.infer(layers, found)
-  return [_Entry(path, parts_of[path], layers[path], style, None, unit, reason)
-          for path, (style, unit, reason) in inferred.items()]
+  return [_Entry(path, parts_of[path], layers[path], style, None, unit, reason, segments)
+          for path, (style, unit, reason, segments) in inferred.items()]
+
+
+def _with_heads(entry: _Entry, found: plan_inference.Trace) -> _Entry:
+  """A planned column or row layer with the head size and parts the trace saw."""
+  if entry.style == "column":
+    unit = found.head_dim.get(entry.path, 1)
+    unit = unit if entry.module.out_features % unit == 0 else 1
+    return replace(entry, unit=unit, segments=plan_inference.segments_of(
+        found, entry.path, entry.module.out_features, unit))
+  if entry.style == "row":
+    units = {found.head_dim.get(col, 1) for col in found.feeds.get(entry.path, ())}
+    unit = units.pop() if len(units) == 1 else 1
+    return replace(entry, unit=unit if entry.module.in_features % unit == 0 else 1)
+  return entry
 
 
 def parallelize(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = None, *,
@@ -229,9 +255,12 @@ def explain_plan(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = No
       local = _shape(shape, None, None) if shape else "-"
       split, comm = "-", "none (replicated)"
     else:
-      layout = ShardLayout(shape[dim], parts, e.unit)
+      layout = (SegmentedLayout(shape[dim], parts, e.unit, e.segments) if e.segments
+                else ShardLayout(shape[dim], parts, e.unit))
       local = _shape(shape, layout, dim)
       split = f"{('in', 'out')[dim] if what == 'kernel' else ('rows', 'features')[dim]}"
+      if e.segments:
+        split += f" ({len(e.segments)} parts, each split)"
       comm = {"column": "none forward (output stays split); backward: all-reduce of the "
                         "input gradient, one for all columns reading that input",
               "row": "all-reduce of the output forward",

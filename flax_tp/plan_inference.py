@@ -11,6 +11,10 @@ it reaches gives the pairs Megatron would choose:
   o through attention; gate, up -> down through SwiGLU; up -> down through GELU;
 - where a column output is reshaped ``[..., F] -> [..., H, D]`` the split keeps
   heads whole (``shard_unit=D``), and so does its row layer's;
+- where a column output is first split into parts (``jnp.split``: a fused q/k/v
+  projection's ``[q | k | v]``), each part is split over the devices on its own
+  (``SegmentedLayout``), so every device holds whole heads of each part and the
+  split needs no communication;
 - embeddings are split over their vocabulary;
 - a layer whose params the model also reads outside the layer's own call
   (``h @ self.up.kernel[...]``) stays whole: split, that code would see the
@@ -54,6 +58,9 @@ class Trace:
   head_dim: dict[str, int] = field(default_factory=dict)  # column path -> D of its reshape
   called: set[str] = field(default_factory=set)
   direct: set[str] = field(default_factory=set)  # layers whose params are read outside them
+  # column path -> sizes of the parts its output is split into on the last axis (None:
+  # split in two different ways)
+  segments: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
 
 
 _PARAM = "<param>"  # taint prefix: a layer's param read as a value
@@ -177,6 +184,12 @@ def _propagate(jaxpr, taints: dict, result: Trace) -> None:
     result.direct.update(t[len(_PARAM):] for t in union if t.startswith(_PARAM))
     for ov in eqn.outvars:
       taints[ov] = union
+    if eqn.primitive.name == "split" and len(ins[0]) == 1:
+      (source,) = ins[0]
+      if eqn.params["axis"] == eqn.invars[0].aval.ndim - 1:
+        sizes = tuple(int(n) for n in eqn.params["sizes"])
+        known = result.segments.get(source, sizes)
+        result.segments[source] = sizes if known == sizes else None
     if eqn.primitive.name == "reshape" and len(ins[0]) == 1:
       (source,) = ins[0]
       before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
@@ -187,15 +200,16 @@ def _propagate(jaxpr, taints: dict, result: Trace) -> None:
 
 
 def infer(entries_by_path: dict[str, nnx.Module], found: Trace) -> dict[str, tuple]:
-  """``{path: (style, unit, reason)}`` for every layer from the traced data flow."""
+  """``{path: (style, unit, reason, segments)}`` for every layer from the traced data
+  flow (``segments``: see ``segments_of``)."""
   plan: dict[str, tuple] = {}
   linears = {p for p, m in entries_by_path.items() if type(m) is nnx.Linear}
   direct = "kept whole: the model reads its params outside its call (split, they would be padded)"
   for path in found.direct:
-    plan[path] = ("replicate", 1, direct)
+    plan[path] = ("replicate", 1, direct, None)
   for path, module in entries_by_path.items():
     if type(module) is nnx.Embed and path not in found.direct:
-      plan[path] = ("vocab", 1, "embedding: split over its vocabulary")
+      plan[path] = ("vocab", 1, "embedding: split over its vocabulary", None)
   for row in sorted(linears - found.direct):
     group = found.feeds.get(row, set())
     if not group or not group <= linears - found.direct or not found.pure_input.get(row, False):
@@ -206,10 +220,14 @@ def infer(entries_by_path: dict[str, nnx.Module], found: Trace) -> dict[str, tup
     unit = units.pop() if len(units) == 1 else 1
     names = ", ".join(sorted(group))
     for col in group:
-      plan[col] = ("column", unit if entries_by_path[col].out_features % unit == 0 else 1,
-                   f"feeds only {row}" + (f" (heads of {unit})" if unit > 1 else ""))
+      col_unit = unit if entries_by_path[col].out_features % unit == 0 else 1
+      parts = segments_of(found, col, entries_by_path[col].out_features, col_unit)
+      plan[col] = ("column", col_unit,
+                   f"feeds only {row}" + (f" (heads of {unit})" if unit > 1 else "")
+                   + (f"; its output is split into {len(parts)} parts, each split on its own"
+                      if parts else ""), parts)
     row_unit = unit if entries_by_path[row].in_features % unit == 0 else 1
-    plan[row] = ("row", row_unit, f"reads only {names}: one all-reduce")
+    plan[row] = ("row", row_unit, f"reads only {names}: one all-reduce", None)
   for path in entries_by_path:
     if path in plan:
       continue
@@ -222,5 +240,14 @@ def infer(entries_by_path: dict[str, nnx.Module], found: Trace) -> dict[str, tup
       why = f"its output reaches several layers ({', '.join(sorted(reached))})"
     else:
       why = "its reader also reads other values (e.g. a residual)"
-    plan[path] = ("replicate", 1, f"kept whole: {why}")
+    plan[path] = ("replicate", 1, f"kept whole: {why}", None)
   return {path: plan[path] for path in entries_by_path}  # in the model's order
+
+
+def segments_of(found: Trace, path: str, features: int, unit: int) -> tuple[int, ...] | None:
+  """The parts a column's output is split into, when the trace saw one consistent split
+  of all its features into parts of whole ``unit`` blocks; else None."""
+  parts = found.segments.get(path)
+  if not parts or len(parts) < 2 or sum(parts) != features or any(p % unit for p in parts):
+    return None
+  return parts

@@ -74,3 +74,25 @@ def test_layout_even_is_identity():
   layout = ShardLayout(8, 4)
   x = np.arange(8)
   assert layout.is_even and layout.pad(x, 0) is x and layout.unpad(x, 0) is x
+
+
+def test_segmented_layout_holds_whole_heads_of_each_part():
+  """[q | k | v] of 3, 1 and 1 heads of 2 over 2 shards: each shard holds its own heads
+  of every part, each part's slot padded on its own; pad/unpad and runs agree."""
+  from flax_tp import SegmentedLayout
+  layout = SegmentedLayout(10, 2, 2, (6, 2, 2))
+  # q heads 0-1 | 2; k head 0 | none; v head 0 | none: slots of 4, 2 and 2.
+  assert layout.slot_offsets == (0, 4, 6) and layout.padded_size == 8
+  assert layout.sizes == (8, 2) and not layout.is_even
+  x = np.arange(10)
+  stored = layout.pad(x, 0)
+  np.testing.assert_array_equal(stored, [0, 1, 2, 3, 6, 7, 8, 9,  4, 5, 0, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(layout.unpad(stored, 0), x)
+  np.testing.assert_array_equal(stored[layout.valid_indices()], x)
+  np.testing.assert_array_equal(stored[~layout.valid_mask()], 0)
+  np.testing.assert_array_equal(layout.local_mask(1), [1, 1, 0, 0, 0, 0, 0, 0])
+  assert layout.runs(0) == ((0, 4, 0), (4, 2, 6), (6, 2, 8)) and layout.runs(1)[0] == (0, 2, 4)
+  with pytest.raises(TypeError, match="use runs"):
+    _ = layout.offsets
+  with pytest.raises(ValueError, match="whole heads"):
+    SegmentedLayout(9, 2, 2, (5, 2, 2))

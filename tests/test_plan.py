@@ -1,5 +1,6 @@
 """flax_tp.parallelize / explain_plan on models written without flax_tp in mind."""
 
+import math
 from collections import Counter
 
 import jax
@@ -177,6 +178,49 @@ def test_a_column_row_pair_costs_one_all_reduce(meshes):
   assert sorted(c.kind for c in model_ops) == ["all-reduce", "all-reduce"], found
   # The batch stays split over "data" throughout: no communication over it forward.
   assert not [c for c in found if "data" in c.axes], found
+
+
+def test_a_fused_qkv_is_split_in_whole_heads_of_each_part(meshes, tmp_path):
+  """One nnx.Linear making [q | k | v], split by the model's code: each device holds whole
+  heads of q, of k and of v (SegmentedLayout), so the compiled gradient step moves exactly
+  what separate q/k/v layers move (a plain split of the fused kernel re-sent most of its
+  output between devices). Its checkpoint restores on another mesh (uneven there)."""
+  from flax_tp import SegmentedLayout
+  from flax_tp.checkpoint import Checkpointer
+  mesh = meshes["2x4"]
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 6, 16)),
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  sent = {}
+  given = {"qkv": "column", "o": "row", "fc1": "column", "fc2": "row"}
+  for fused, plan in ((False, None), (True, None), (True, given)):
+    model = flax_tp.parallelize(Block(16, 8, fused=fused, rngs=nnx.Rngs(0)), mesh, plan,
+                                inputs=(x,))
+    if fused:
+      assert model.qkv.layout == SegmentedLayout(48, 4, 2, (16, 16, 16))
+      table = flax_tp.explain_plan(Block(16, 8, fused=True, rngs=nnx.Rngs(0)), mesh, plan,
+                                   inputs=(x,))
+      assert "out (3 parts, each split)" in table and "kernel [16, 12]" in table
+    compiled = grad_of.lower(model, x).compile()
+    sent[fused, plan is None] = arrays_sent(collectives(compiled.as_text(), mesh))
+  # Over "model": the same arrays. Over "data": the same elements (the fused kernel's
+  # gradient is summed as one [16, 12] array instead of three [16, 4]).
+  over = lambda counts, axis: Counter({k: n for k, n in counts.items() if k[1] == (axis,)})
+  elements = lambda counts: sum(math.prod(shape) * n for (*_, shape), n in counts.items())
+  for key in ((True, True), (True, False)):
+    assert over(sent[key], "model") == over(sent[False, True], "model")
+    assert elements(over(sent[key], "data")) == elements(over(sent[False, True], "data"))
+    assert not sent[key] - over(sent[key], "model") - over(sent[key], "data")
+
+  model = flax_tp.parallelize(Block(16, 8, fused=True, rngs=nnx.Rngs(0)), mesh, inputs=(x,))
+  Checkpointer(tmp_path).save(1, {"params": nnx.state(model, nnx.Param)}, {})
+  ref = Block(16, 8, fused=True, rngs=nnx.Rngs(0))
+  other = flax_tp.parallelize(Block(16, 8, fused=True, rngs=nnx.Rngs(5)), meshes["1x3"],
+                              inputs=(x,))
+  restored, _ = Checkpointer(tmp_path).restore({"params": nnx.state(other, nnx.Param)})
+  nnx.update(other, restored["params"])
+  assert_state_close(other, ref, rtol=0, atol=0)
+  plain = jnp.asarray(np.asarray(x))  # off the 2x4 mesh
+  np.testing.assert_allclose(apply(other, plain), apply(ref, plain), **F32)
 
 
 def test_plan_errors_name_the_pattern_and_the_module(meshes):
