@@ -164,26 +164,28 @@ def logical_norm(tree: Any) -> jax.Array:
   mesh. The sharded params' squares are summed on their devices and then over the
   model axis with one scalar all-reduce (the partitioner would send one per param).
   """
-  groups: dict[tuple, list] = {}  # (mesh, axis) -> [(value, spec, weights, dim)]
+  # (mesh, the axes it is split over) -> [(value, spec, weights, dim, axis of dim)]
+  groups: dict[tuple, list] = {}
   parts = []
   for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     value = leaf[...] if isinstance(leaf, nnx.Variable) else leaf
     layout, dim = _layout_of(leaf)
-    meta = leaf.get_metadata() if layout is not None else {}
-    axes = [n for n in meta.get("out_sharding", ()) if n is not None]
-    if layout is None or "mesh" not in meta or len(axes) != 1:
+    meta = leaf.get_metadata() if isinstance(leaf, nnx.Variable) else {}
+    names = tuple(meta.get("out_sharding") or ())
+    axes = tuple(n for n in names if n is not None)
+    if "mesh" not in meta or not axes:
       parts.append(_sum_of_squares(value, None, None))
       continue
-    groups.setdefault((meta["mesh"], axes[0]), []).append(
-        (value, P(*meta["out_sharding"]), _replica_weights(layout), dim))
-  for (mesh, axis), members in groups.items():
-    def local_sum(*values, members=members, axis=axis):
-      index = shard_index(axis)
-      total = sum(_sum_of_squares(v, None if w is None else jnp.asarray(w)[index], d)
-                  for v, (_, _, w, d) in zip(values, members, strict=True))
-      return jax.lax.psum(total, axis)
+    weights = None if layout is None else _replica_weights(layout)
+    groups.setdefault((meta["mesh"], axes), []).append(
+        (value, P(*names), weights, dim, None if layout is None else names[dim]))
+  for (mesh, axes), members in groups.items():
+    def local_sum(*values, members=members, axes=axes):
+      total = sum(_sum_of_squares(v, None if w is None else jnp.asarray(w)[shard_index(a)], d)
+                  for v, (_, _, w, d, a) in zip(values, members, strict=True))
+      return jax.lax.psum(total, axes)
     values = [m[0] for m in members]
-    if axis in jax.sharding.get_abstract_mesh().manual_axes:  # already inside a map
+    if set(axes) <= set(jax.sharding.get_abstract_mesh().manual_axes):  # inside a map
       parts.append(local_sum(*values))
       continue
     # jit: one program outside a trace (eager shard_map runs op by op); inlined inside.

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 BYTE_VOCAB = 256
-EXECUTION_FIELDS = ("sequence_parallel", "remat", "scan_layers")
+EXECUTION_FIELDS = ("sequence_parallel", "remat", "scan_layers", "fsdp")
 # "block" recomputes a whole block (nothing saved); the rest are jax.checkpoint_policies.
 REMAT_CHOICES = ("none", "block", "nothing_saveable", "dots_saveable",
                  "dots_with_no_batch_dims_saveable", "checkpoint_dots",
@@ -53,6 +53,7 @@ class TransformerConfig:
   sequence_parallel: bool = False  # Megatron-SP: [b, s/M, d] between blocks
   remat: str = "none"  # "block" or a jax.checkpoint_policies name: recompute in backward
   scan_layers: bool = False  # jax.lax.scan over the blocks: compile time flat in depth
+  fsdp: bool = False  # params, gradients, optimizer state split over "data" too (ZeRO-3)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_heads", "head_dim", "d_ff", "num_layers",

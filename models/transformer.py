@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import flax_tp
+from flax_tp.fsdp import shard_over_data
 from flax_tp.state import place_on_mesh
 from models import ops
 from models.config import TransformerConfig
@@ -310,6 +311,8 @@ class Transformer(nnx.Module):
       # scan reads them in place and the optimizer sees one array per kind of
       # param. Initialised per block first, so the values do not depend on it.
       self.blocks = flax_tp.stack_layers(list(self.blocks))
+    if cfg.fsdp:  # params (and so the optimizer state) split over "data" too
+      shard_over_data(self)
     self.cfg = cfg
     self.mesh = mesh
 

@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, describe_not_ours
+from flax_tp.fsdp import unshard_over_data
 from models.config import TransformerConfig
 from models.hf import HFConfigError, load_hf, read_config
 from models.transformer import Transformer
@@ -55,13 +56,13 @@ def param_summary(params: nnx.State) -> dict[str, int]:
   total = sharded = replicated = 0
   for _, var in nnx.to_flat_state(params):
     value = var[...]
-    layout = var.get_metadata().get("tp_layout")
+    meta = var.get_metadata()
+    layout = meta.get("tp_layout")
     shard_bytes = value.addressable_shards[0].data.nbytes
-    if layout is not None:
-      total += value.size // layout.padded_total * layout.size
+    total += value.size if layout is None else value.size // layout.padded_total * layout.size
+    if any(meta.get("out_sharding") or ()):  # split over "model" and/or "data" (FSDP)
       sharded += shard_bytes
     else:
-      total += value.size
       replicated += shard_bytes
   return dict(params=total, sharded_bytes_per_device=sharded,
               replicated_bytes_per_device=replicated)
@@ -271,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
                      f"data axis of --mesh {args.mesh}")
   overrides = dict(max_seq_len=args.seq_len, dropout=args.dropout, dtype=args.dtype,
                    sequence_parallel=args.sequence_parallel, remat=args.remat,
-                   scan_layers=args.scan_layers)
+                   scan_layers=args.scan_layers, fsdp=args.fsdp)
   tokenizer = None
   if args.init_from:
     cfg, tokenizer = hf_model_and_tokenizer(args.init_from, overrides)
@@ -326,7 +327,8 @@ def run(args: argparse.Namespace) -> int:
   origin = f"from {args.init_from}" if args.init_from else f"preset {args.preset or 'small'}"
   options = [name for name, on in (("sequence parallel", cfg.sequence_parallel),
                                    (f"remat {cfg.remat}", cfg.remat != "none"),
-                                   ("scanned layers", cfg.scan_layers)) if on]
+                                   ("scanned layers", cfg.scan_layers),
+                                   ("FSDP over data", cfg.fsdp)) if on]
   console.print(f"model: {origin}, {summary['params']:,} params | per device: "
                 f"sharded {_mib(summary['sharded_bytes_per_device'])}, replicated "
                 f"{_mib(summary['replicated_bytes_per_device'])}"
@@ -437,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
   if args.sample_length:
     tokenizer = corpus.tokenizer
     prompt = [int(t) for t in tokenizer.encode(args.sample_prompt.encode())]
-    model = nnx.merge(trainer.graphdef, params)
+    model = unshard_over_data(nnx.merge(trainer.graphdef, params))  # standalone layers
     sample = sample_tokens(model, prompt, length=args.sample_length,
                            window=min(args.seq_len, cfg.max_seq_len), seed=args.seed)
     console.rule("sample")

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--remat", default="none", choices=REMAT_CHOICES,
                  help="recompute each block in the backward pass: 'block' saves nothing, "
                       "or a jax.checkpoint_policies name (on CPU, with --scan-layers)")
+  p.add_argument("--fsdp", action="store_true",
+                 help="also split params, gradients and optimizer state over the data axis "
+                      "(ZeRO-3/FSDP): per-device memory / D; same results")
   p.add_argument("--scan-layers", action="store_true",
                  help="store the blocks stacked and run them as one lax.scan: compile time stops "
                       "growing with depth (checkpoints stay per layer)")

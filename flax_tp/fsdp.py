@@ -1,0 +1,120 @@
+"""Fully sharded data parallelism (ZeRO-3) over ``"data"``, beside tensor parallelism.
+
+With tensor parallelism alone every data replica holds whole copies of its model
+shard's params, gradients and optimizer state. ``shard_over_data`` splits each param
+once more, over the ``"data"`` axis, on its *FSDP dimension*: the largest dimension,
+other than the one split over ``"model"``, that the data axis divides. The
+optimizer's moments follow the params' sharding, so params, gradients and Adam state
+all take ``1 / (D * M)`` of the whole per device.
+
+In a step (``train.step.Trainer``), ``gather_for_step`` runs inside the step's
+``shard_map``: each sharded param is all-gathered over ``"data"`` back to this
+device's model shard, under ``jax.checkpoint``, so the gathered copy is not kept
+for the backward pass but gathered again where backward needs it; the gradient
+then leaves the transpose of that all-gather as a reduce-scatter over ``"data"``
+(each device keeps the sum of its slice), replacing data parallelism's all-reduce.
+The layers see exactly the params they would without FSDP, so the results are
+the same. A param none of whose dimensions the data axis divides (a bias of 90 over
+a 4-way data axis) stays replicated over ``"data"`` (``not_sharded`` lists them).
+
+Checkpoints hold logical values, so they move between runs with and without FSDP.
+The standalone layers (generation, export) read params replicated over ``"data"``:
+``unshard_over_data`` puts a model back that way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from flax_tp.collectives import copy_to_parallel
+from flax_tp.mesh import DATA_AXIS
+
+FSDP_DIM = "fsdp_dim"  # metadata: the param dimension split over "data"
+
+
+def _params(module_or_state: Any) -> list[nnx.Variable]:
+  state = (nnx.state(module_or_state, nnx.Param) if isinstance(module_or_state, nnx.Module)
+           else module_or_state)
+  return [var for _, var in nnx.to_flat_state(state)]
+
+
+def fsdp_dim(var: nnx.Variable, data_size: int) -> int | None:
+  """The dimension of ``var`` to split over a ``data_size``-way data axis: the largest
+  one that is not split otherwise (nor a stacked param's layer axis) and that the axis
+  divides; None when there is none."""
+  meta = var.get_metadata()
+  names = tuple(meta.get("out_sharding") or ())
+  shape = var[...].shape
+  stacked = 1 if "tp_layers" in meta else 0
+  free = [d for d in range(stacked, len(shape))
+          if (names[d] if d < len(names) else None) is None and shape[d] % data_size == 0]
+  return max(free, key=lambda d: (shape[d], -d)) if free else None
+
+
+def shard_over_data(module: nnx.Module) -> list[str]:
+  """Splits every param of ``module`` that lives on a mesh with a ``"data"`` axis over
+  that axis too, in place (see the module docstring). Returns the paths of the params
+  left replicated over ``"data"`` (no dimension it divides), for the caller to report."""
+  kept = []
+  for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+    meta = var.get_metadata()
+    mesh, names = meta.get("mesh"), meta.get("out_sharding")
+    if mesh is None or names is None or DATA_AXIS not in mesh.axis_names:
+      raise ValueError(f"param {'.'.join(map(str, path))} is not on a mesh with a "
+                       f"{DATA_AXIS!r} axis (see flax_tp.replicate_on_mesh)")
+    if FSDP_DIM in meta:
+      continue
+    size = mesh.shape[DATA_AXIS]
+    dim = fsdp_dim(var, size) if size > 1 else None
+    if dim is None:
+      if size > 1:
+        kept.append(".".join(map(str, path)))
+      continue
+    new = list(names) + [None] * (var[...].ndim - len(names))
+    new[dim] = DATA_AXIS
+    var.set_value(jax.device_put(var[...], NamedSharding(mesh, P(*new))))
+    var.set_metadata(out_sharding=tuple(new), **{FSDP_DIM: dim})
+  return kept
+
+
+def unshard_over_data(module: nnx.Module) -> nnx.Module:
+  """Puts ``module``'s params back to replicated over ``"data"`` (the layout the
+  standalone layers read), in place; returns ``module``."""
+  for var in _params(module):
+    meta = var.get_metadata()
+    if FSDP_DIM not in meta:
+      continue
+    names = list(meta["out_sharding"])
+    names[meta[FSDP_DIM]] = None
+    var.set_value(jax.device_put(var[...], NamedSharding(meta["mesh"], P(*names))))
+    var.set_metadata(out_sharding=tuple(names))
+    var.del_metadata(FSDP_DIM)
+  return module
+
+
+def is_sharded_over_data(tree: Any) -> bool:
+  """Whether any param of ``tree`` (a module or state) is split over ``"data"``."""
+  return any(FSDP_DIM in var.get_metadata() for var in _params(tree))
+
+
+def gather_for_step(params: nnx.State) -> nnx.State:
+  """Inside a ``shard_map`` over ``("data", "model")``: each param as the layers use it.
+
+  A param split over ``"data"`` is all-gathered over it (tiled, on its FSDP dim) under
+  ``jax.checkpoint``: backward gathers it again where needed, and its gradient is
+  reduce-scattered over ``"data"``. Every other param is marked per-replica
+  (``copy_to_parallel``), so its gradient is all-reduced over ``"data"`` once.
+  """
+  def one(var: nnx.Variable) -> nnx.Variable:
+    dim = var.get_metadata().get(FSDP_DIM)
+    if dim is None:
+      return var.replace(copy_to_parallel(var[...], DATA_AXIS))
+    gathered = jax.checkpoint(
+        lambda x: jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True))(var[...])
+    return var.replace(gathered)
+
+  return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
