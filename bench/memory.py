@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -42,7 +43,7 @@ MORE_OPTIONS = {
     "sp+scan": dict(sequence_parallel=True, scan_layers=True),
     "remat+scan": dict(remat="block", scan_layers=True),
 }
-SECTIONS = ("memory", "compile", "step", "probe")
+SECTIONS = ("memory", "compile", "step", "probe", "fsdp")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,12 +68,20 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--step-preset", default="small", choices=presets)
   p.add_argument("--step-seq", type=positive_int, default=128)
   p.add_argument("--repeats", type=positive_int, default=5)
+  p.add_argument("--fsdp-meshes", type=comma_choices(("2x4", "4x2", "8x1", "1x8")),
+                 default=["2x4", "4x2"], help="meshes of the fsdp section")
+  p.add_argument("--fsdp-seq", type=positive_int, default=1024)
   p.add_argument("--out", default=None)
   return p.parse_args(argv)
 
 
-def abstract_step(cfg, mesh, batch: int, seq: int):
-  """The compiled train step of ``cfg`` from abstract params and batch (no arrays)."""
+def _path_key(path) -> tuple:
+  return tuple(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
+
+
+def abstract_step(cfg, mesh, batch: int, seq: int, keep: dict | None = None):
+  """The compiled train step of ``cfg`` from abstract params and batch (no arrays);
+  ``keep`` (a dict) receives the abstract ``params`` and ``opt_state``."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -85,13 +94,24 @@ def abstract_step(cfg, mesh, batch: int, seq: int):
   specs = nnx.get_partition_spec(trainer.params)
   params = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), trainer.params, specs)
-  # The optimizer state's shardings as XLA propagates them from the params.
-  init = jax.jit(trainer.tx.init).lower(params).compile()
+  # The optimizer state sharded as Trainer.init_opt_state leaves it: each moment like
+  # its param (matched by path: mu and nu mirror the params' tree), counters replicated.
+  # (XLA's propagation through an abstract init gives every moment replicated.)
   replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-  opt_state = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=sharding if isinstance(sharding, NamedSharding) else replicated),
-      jax.eval_shape(trainer.tx.init, params), init.output_shardings)
+  by_path = {_path_key(path): x.sharding
+             for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+  def like_its_param(path, x):
+    key = _path_key(path)
+    sharding = next((by_path[key[i:]] for i in range(len(key)) if key[i:] in by_path),
+                    replicated)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+  opt_state = jax.tree_util.tree_map_with_path(like_its_param,
+                                               jax.eval_shape(trainer.tx.init, params))
   tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=trainer.batch_sharding)
+  if keep is not None:
+    keep.update(params=params, opt_state=opt_state)
   start = time.perf_counter()
   compiled = trainer.train_step.lower(params, opt_state, tokens, None).compile()
   return compiled, time.perf_counter() - start
@@ -154,6 +174,50 @@ def step_section(args, log) -> dict:
   return dict(step_s=medians, ratio=ratios)
 
 
+def fsdp_section(args, log) -> list[dict]:
+  """Per device, with and without FSDP, for ``--preset`` at each of ``--fsdp-meshes``:
+  params + AdamW state (XLA's argument bytes of the compiled step, the batch's few
+  bytes included) against the ideal, and what the step's collectives over "data"
+  produce against FSDP's analytic minimum."""
+  import jax
+  from flax import nnx
+
+  import flax_tp
+  from flax_tp.hlo import collectives
+  from models.config import TransformerConfig
+  from models.reference import ReferenceTransformer
+  cfg0 = TransformerConfig.preset(args.preset, max_seq_len=args.fsdp_seq)
+  logical = sum(x.size * 4 for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
+      lambda: ReferenceTransformer(cfg0, rngs=nnx.Rngs(0))), nnx.Param)))
+  rows = []
+  for spec in args.fsdp_meshes:
+    mesh = flax_tp.make_mesh(spec)
+    d, m = mesh.shape["data"], mesh.shape["model"]
+    for fsdp in (False, True):
+      cfg = TransformerConfig.preset(args.preset, max_seq_len=args.fsdp_seq, fsdp=fsdp)
+      args_of = {}
+      compiled, seconds = abstract_step(cfg, mesh, args.batch, args.fsdp_seq, args_of)
+      found = [c for c in collectives(compiled.as_text(), mesh) if c.axes == ("data",)]
+      produced = {kind: sum(c.bytes for c in found if c.kind == kind)
+                  for kind in ("all-gather", "reduce-scatter", "all-reduce")}
+      # Per device: each array's shard, from its sharding (params, AdamW's mu and nu).
+      state = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                  for x in jax.tree.leaves(args_of))
+      row = dict(mesh=spec, fsdp=fsdp, state_bytes=state, ideal_state_bytes=3 * logical / (d * m),
+                 data_collective_result_bytes=produced, compile_s=seconds)
+      # FSDP's minimum: each param's model shard gathered forward and again backward
+      # (2 P / M), each gradient reduce-scattered (P / (D M)); data parallelism: one
+      # all-reduce of every gradient (P / M).
+      row["minimum_result_bytes"] = (dict(all_gather=2 * logical / m,
+                                          reduce_scatter=logical / (d * m)) if fsdp
+                                     else dict(all_reduce=logical / m))
+      rows.append(row)
+      log(f"fsdp {args.preset} {spec} fsdp={fsdp}: state {row['state_bytes'] / 2**30:.3f} "
+          f"GiB/device (ideal {row['ideal_state_bytes'] / 2**30:.3f}); over data "
+          + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in produced.items() if v))
+  return rows
+
+
 def probe_section(log) -> list[dict]:
   """jax.checkpoint on a plain chain of 24 dense layers ([2048, 1024] float32), no
   flax_tp at all: does XLA's analysis show recomputation saving memory, unrolled and
@@ -211,6 +275,8 @@ def main(argv=None) -> int:
     results["step"] = step_section(args, log)
   if "probe" in sections:
     results["probe"] = probe_section(log)
+  if "fsdp" in sections:
+    results["fsdp"] = fsdp_section(args, log)
   print(json.dumps(results, indent=1))
   if args.out:
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

@@ -3,19 +3,22 @@
 With tensor parallelism alone every data replica holds whole copies of its model
 shard's params, gradients and optimizer state. ``shard_over_data`` splits each param
 once more, over the ``"data"`` axis, on its *FSDP dimension*: the largest dimension,
-other than the one split over ``"model"``, that the data axis divides. The
-optimizer's moments follow the params' sharding, so params, gradients and Adam state
-all take ``1 / (D * M)`` of the whole per device.
+other than the one split over ``"model"``, that the data axis divides. A param that
+tensor parallelism leaves whole (a norm's scale) is split over both axes when their
+``D * M`` devices divide it. The optimizer's moments follow the params' sharding, so
+params, gradients and Adam state all take ``1 / (D * M)`` of the whole per device.
 
 In a step (``train.step.Trainer``), ``gather_for_step`` runs inside the step's
 ``shard_map``: each sharded param is all-gathered over ``"data"`` back to this
 device's model shard, under ``jax.checkpoint``, so the gathered copy is not kept
 for the backward pass but gathered again where backward needs it; the gradient
 then leaves the transpose of that all-gather as a reduce-scatter over ``"data"``
-(each device keeps the sum of its slice), replacing data parallelism's all-reduce.
+(each device keeps the sum of its slice), replacing data parallelism's all-reduce. A
+param split over both axes is first gathered over ``"model"`` (its backward keeps this
+device's slice: the gradient is the same on every model device), then over ``"data"``.
 The layers see exactly the params they would without FSDP, so the results are
 the same. A param none of whose dimensions the data axis divides (a bias of 90 over
-a 4-way data axis) stays replicated over ``"data"`` (``not_sharded`` lists them).
+a 4-way data axis) stays replicated over ``"data"`` (``shard_over_data`` returns them).
 
 Checkpoints hold logical values, so they move between runs with and without FSDP.
 The standalone layers (generation, export) read params replicated over ``"data"``:
@@ -30,10 +33,10 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from flax_tp.collectives import copy_to_parallel
-from flax_tp.mesh import DATA_AXIS
+from flax_tp.collectives import all_gather, copy_to_parallel
+from flax_tp.mesh import DATA_AXIS, MODEL_AXIS
 
-FSDP_DIM = "fsdp_dim"  # metadata: the param dimension split over "data"
+FSDP_DIM = "fsdp_dim"  # metadata: the param dimension split over "data" (and maybe "model")
 
 
 def _params(module_or_state: Any) -> list[nnx.Variable]:
@@ -42,16 +45,16 @@ def _params(module_or_state: Any) -> list[nnx.Variable]:
   return [var for _, var in nnx.to_flat_state(state)]
 
 
-def fsdp_dim(var: nnx.Variable, data_size: int) -> int | None:
-  """The dimension of ``var`` to split over a ``data_size``-way data axis: the largest
-  one that is not split otherwise (nor a stacked param's layer axis) and that the axis
-  divides; None when there is none."""
+def fsdp_dim(var: nnx.Variable, devices: int) -> int | None:
+  """The dimension of ``var`` to split over ``devices``: the largest one that is not
+  split otherwise (nor a stacked param's layer axis) and that ``devices`` divides;
+  None when there is none."""
   meta = var.get_metadata()
   names = tuple(meta.get("out_sharding") or ())
   shape = var[...].shape
   stacked = 1 if "tp_layers" in meta else 0
   free = [d for d in range(stacked, len(shape))
-          if (names[d] if d < len(names) else None) is None and shape[d] % data_size == 0]
+          if (names[d] if d < len(names) else None) is None and shape[d] % devices == 0]
   return max(free, key=lambda d: (shape[d], -d)) if free else None
 
 
@@ -69,13 +72,19 @@ def shard_over_data(module: nnx.Module) -> list[str]:
     if FSDP_DIM in meta:
       continue
     size = mesh.shape[DATA_AXIS]
-    dim = fsdp_dim(var, size) if size > 1 else None
-    if dim is None:
-      if size > 1:
-        kept.append(".".join(map(str, path)))
+    if size == 1:
       continue
     new = list(names) + [None] * (var[...].ndim - len(names))
-    new[dim] = DATA_AXIS
+    both = size * mesh.shape.get(MODEL_AXIS, 1)
+    # Whole under tensor parallelism (a norm's scale): split over both axes if it can be.
+    dim = fsdp_dim(var, both) if not any(new) and both > size else None
+    axes: Any = (DATA_AXIS, MODEL_AXIS)
+    if dim is None:
+      dim, axes = fsdp_dim(var, size), DATA_AXIS
+    if dim is None:
+      kept.append(".".join(map(str, path)))
+      continue
+    new[dim] = axes
     var.set_value(jax.device_put(var[...], NamedSharding(mesh, P(*new))))
     var.set_metadata(out_sharding=tuple(new), **{FSDP_DIM: dim})
   return kept
@@ -101,20 +110,53 @@ def is_sharded_over_data(tree: Any) -> bool:
   return any(FSDP_DIM in var.get_metadata() for var in _params(tree))
 
 
-def gather_for_step(params: nnx.State) -> nnx.State:
+def _gathered(var: nnx.Variable) -> nnx.Variable:
+  """``var`` all-gathered over ``"data"`` (and first ``"model"``) on its FSDP dim, under
+  ``jax.checkpoint``; a layer's slice of a stacked param too (its dims shift by one)."""
+  meta = var.get_metadata()
+  names = meta["out_sharding"]
+  dim = meta[FSDP_DIM]
+  over_model = names[dim] != DATA_AXIS  # split over ("data", "model")
+  dim -= len(names) - var[...].ndim  # a scanned layer's slice of a stacked param
+
+  def gather(x):
+    if over_model:  # invariant over "model": backward keeps this device's slice
+      x = all_gather(x, axis=dim, axis_name=MODEL_AXIS)
+    return jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
+
+  return var.replace(jax.checkpoint(gather)(var[...]))
+
+
+def _is_var(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def gather_for_step(params: nnx.State, *, per_block: tuple[str, ...] = ()) -> nnx.State:
   """Inside a ``shard_map`` over ``("data", "model")``: each param as the layers use it.
 
   A param split over ``"data"`` is all-gathered over it (tiled, on its FSDP dim) under
   ``jax.checkpoint``: backward gathers it again where needed, and its gradient is
-  reduce-scattered over ``"data"``. Every other param is marked per-replica
-  (``copy_to_parallel``), so its gradient is all-reduced over ``"data"`` once.
+  reduce-scattered over ``"data"``. Those under the top-level names ``per_block``
+  (``"blocks"``) are left split: the model gathers them block by block
+  (``gather_block``), so one block's params are whole at a time. Every other param is
+  marked per-replica (``copy_to_parallel``): its gradient is all-reduced over
+  ``"data"`` once.
   """
-  def one(var: nnx.Variable) -> nnx.Variable:
-    dim = var.get_metadata().get(FSDP_DIM)
-    if dim is None:
+  def one(path, var: nnx.Variable) -> nnx.Variable:
+    if FSDP_DIM not in var.get_metadata():
       return var.replace(copy_to_parallel(var[...], DATA_AXIS))
-    gathered = jax.checkpoint(
-        lambda x: jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True))(var[...])
-    return var.replace(gathered)
+    if getattr(path[0], "key", None) in per_block:
+      return var
+    return _gathered(var)
 
-  return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_var)
+
+
+def gather_block(state: nnx.State) -> nnx.State:
+  """A block's params (or a scanned layer's slice) with those split over ``"data"``
+  gathered, inside the step's ``shard_map``; unchanged anywhere else (standalone,
+  inference, a model without FSDP)."""
+  if DATA_AXIS not in jax.sharding.get_abstract_mesh().manual_axes:
+    return state
+  return jax.tree.map(lambda v: _gathered(v) if FSDP_DIM in v.get_metadata() else v,
+                      state, is_leaf=_is_var)

@@ -172,7 +172,7 @@ def logical_norm(tree: Any) -> jax.Array:
     layout, dim = _layout_of(leaf)
     meta = leaf.get_metadata() if isinstance(leaf, nnx.Variable) else {}
     names = tuple(meta.get("out_sharding") or ())
-    axes = tuple(n for n in names if n is not None)
+    axes = tuple(a for n in names if n is not None for a in ((n,) if isinstance(n, str) else n))
     if "mesh" not in meta or not axes:
       parts.append(_sum_of_squares(value, None, None))
       continue

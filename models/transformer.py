@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import flax_tp
-from flax_tp.fsdp import shard_over_data
+from flax_tp.fsdp import gather_block, shard_over_data
 from flax_tp.state import place_on_mesh
 from models import ops
 from models.config import TransformerConfig
@@ -348,8 +348,8 @@ class Transformer(nnx.Module):
     if cfg.scan_layers:
       graphdef, stacked = nnx.split(self.blocks)
 
-      def block(state, x, layer):
-        return nnx.merge(graphdef, state)(x, key, layer, rows, seq)
+      def block(state, x, layer):  # FSDP: this layer's params gathered here
+        return nnx.merge(graphdef, gather_block(state))(x, key, layer, rows, seq)
 
       if policy is not None:
         block = jax.checkpoint(block, policy=policy)
@@ -358,15 +358,15 @@ class Transformer(nnx.Module):
       return x
     graphdef = nnx.graphdef(self.blocks[0])  # every block has the same structure
 
-    def block(state, x, layer):
-      return nnx.merge(graphdef, state)(x, key, layer, rows, seq)
+    def block(state, x, layer):  # FSDP: this block's params gathered here
+      return nnx.merge(graphdef, gather_block(state))(x, key, layer, rows, seq)
 
     for layer, b in enumerate(self.blocks):
       state = nnx.state(b)
       if cfg.remat == "block":
         x = _recompute_in_backward(
-            lambda s, x, k, r, layer=layer: nnx.merge(graphdef, s)(x, k, layer, r, seq),
-            state, x, key, rows)
+            lambda s, x, k, r, layer=layer: nnx.merge(graphdef, gather_block(s))(
+                x, k, layer, r, seq), state, x, key, rows)
       elif policy is not None:
         x = jax.checkpoint(block, policy=policy, static_argnums=(2,))(state, x, layer)
       else:

@@ -40,14 +40,18 @@ def losses(path):
 
 
 def test_two_processes_equal_one_and_checkpoint_moves_to_one_process(tmp_path, corpus):
+  """With FSDP: the data axis spans the two processes, so every param is all-gathered and
+  every gradient reduce-scattered between them; the losses are the single process's
+  without FSDP, and its checkpoint resumes there."""
   ck, metrics = tmp_path / "ck", tmp_path / "two.jsonl"
   out = subprocess.run(
       [sys.executable, str(ROOT / "train" / "launch.py"), "--processes", "2", "--",
        "--mesh", "2x4", "--steps", "4", *FLAGS, "--data", corpus, "--metrics-file", str(metrics),
-       "--checkpoint-dir", str(ck), "--checkpoint-every", "3"],
+       "--checkpoint-dir", str(ck), "--checkpoint-every", "3", "--fsdp"],
       capture_output=True, text=True, env=clean_env(), timeout=240)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "2 process(es)" in out.stdout and "model axis stays inside a process" in out.stdout
+  assert "FSDP over data" in out.stdout
   assert "[Gloo]" not in out.stdout  # the launcher filters gloo's chatter
 
   single = tmp_path / "one.jsonl"

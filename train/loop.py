@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, describe_not_ours
-from flax_tp.fsdp import unshard_over_data
+from flax_tp.fsdp import FSDP_DIM, unshard_over_data
 from models.config import TransformerConfig
 from models.hf import HFConfigError, load_hf, read_config
 from models.transformer import Transformer
@@ -335,6 +335,13 @@ def run(args: argparse.Namespace) -> int:
                 + (f" | {', '.join(options)}" if options else ""))
   console.print(f"data: {corpus.describe()} | unigram entropy {corpus.unigram_entropy():.3f} "
                 f"nats | batch {args.batch_size} x {args.seq_len} tokens")
+  if cfg.fsdp and data_size > 1:  # never silently less sharded than asked
+    whole = [".".join(map(str, path)) for path, var in nnx.to_flat_state(params)
+             if FSDP_DIM not in var.get_metadata()]
+    if whole:
+      notes.append(f"note: --fsdp leaves {len(whole)} param(s) replicated over the "
+                   f"{data_size}-way data axis, which divides none of their dimensions: "
+                   f"{', '.join(whole[:4])}{' ...' if len(whole) > 4 else ''}")
   for note in notes:
     console.print(note, markup=False)
   if start:

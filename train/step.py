@@ -133,7 +133,7 @@ class Trainer:
     # gradient locally (the tied embedding is used twice) and all-reduces it over
     # "data" once, instead of once per use; a param split over "data" (FSDP) is
     # all-gathered here instead, and its gradient reduce-scattered.
-    params = gather_for_step(params)
+    params = gather_for_step(params, per_block=("blocks",))
     model = nnx.merge(self.graphdef, params)
     logits = model(tokens[:, :-1], dropout_key=key)
     labels = tokens[:, 1:] if labels is None else labels

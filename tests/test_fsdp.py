@@ -1,0 +1,147 @@
+"""FSDP over "data" beside tensor parallelism over "model" (flax_tp.fsdp, --fsdp):
+the same training as without it, 1 / (D * M) of the state per device, and the
+collectives FSDP means."""
+
+import math
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_tp
+from flax_tp.checkpoint import Checkpointer
+from flax_tp.fsdp import FSDP_DIM
+from flax_tp.hlo import arrays_sent, collectives
+from models.config import TransformerConfig
+from models.transformer import Transformer
+from train.step import Trainer, make_optimizer
+
+# Every size divides 2 and 4: stored == logical, so the bytes per device are exact.
+EVEN = dict(vocab_size=256, d_model=32, num_heads=8, num_kv_heads=4, head_dim=4, d_ff=64,
+            num_layers=2, max_seq_len=16)
+
+
+def trainer(mesh, cfg, seed=0):
+  return Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed)),
+                 make_optimizer(lr=1e-2, steps=4, warmup_steps=1))
+
+
+def train(mesh, cfg, steps=2):
+  t = trainer(mesh, cfg)
+  params, opt_state = t.params, t.init_opt_state(t.params)
+  tokens = jax.random.randint(jax.random.key(1), (8, cfg.max_seq_len + 1), 0, cfg.vocab_size)
+  tokens = jax.device_put(tokens, t.batch_sharding)
+  out = []
+  for _ in range(steps):
+    params, opt_state, metrics = t.train_step(params, opt_state, tokens, None)
+    out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+  return t, params, opt_state, tokens, out
+
+
+@pytest.mark.parametrize("mesh_spec,options", [
+    ("2x4", {}),
+    ("4x2", dict(sequence_parallel=True, remat="block", scan_layers=True)),
+    ("1x8", {}),
+])
+def test_fsdp_trains_exactly_as_without_it(mesh_spec, options):
+  """llama-tiny (6 query / 2 kv heads, d_ff 90, vocab 259: padded, kv heads replicated
+  over 4 and 8) with AdamW and clipping: the losses, gradient norms and params after two
+  steps are those of the run without FSDP (up to the order of float sums)."""
+  cfg = TransformerConfig.preset("llama-tiny", **options)
+  mesh = flax_tp.make_mesh(mesh_spec)
+  _, plain, _, _, plain_out = train(mesh, cfg)
+  t, fsdp, _, _, fsdp_out = train(mesh, TransformerConfig.preset("llama-tiny", fsdp=True,
+                                                                  **options))
+  np.testing.assert_allclose(fsdp_out, plain_out, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(flax_tp.unshard(fsdp)), jax.tree.leaves(flax_tp.unshard(plain)),
+                  strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  split = [v for _, v in nnx.to_flat_state(t.params) if FSDP_DIM in v.get_metadata()]
+  data = mesh.shape["data"]
+  assert len(split) == (len(nnx.to_flat_state(t.params)) if data > 1 else 0)
+
+
+@pytest.mark.parametrize("mesh_spec", ["2x4", "4x2"])
+def test_fsdp_state_per_device_and_collectives(mesh_spec):
+  """Params and both Adam moments take exactly 1 / (D * M) of their logical bytes per
+  device; the step reduce-scatters every param's gradient over "data" (no tensor is
+  all-reduced over it any more) and all-gathers the params over it, forward and
+  again in backward."""
+  mesh = flax_tp.make_mesh(mesh_spec)
+  d, m = mesh.shape["data"], mesh.shape["model"]
+  cfg = TransformerConfig.preset("llama-tiny", fsdp=True, **EVEN)
+  t, params, opt_state, tokens, _ = train(mesh, cfg, steps=1)
+  logical = sum(x.nbytes for x in jax.tree.leaves(flax_tp.unshard(params)))
+  per_device = lambda tree: sum(x.addressable_shards[0].data.nbytes
+                                for x in jax.tree.leaves(tree) if x.ndim)
+  assert per_device(params) * d * m == logical
+  assert per_device(opt_state) * d * m == 2 * logical  # mu and nu
+  compiled = t.train_step.lower(params, opt_state, tokens, None).compile()
+  sent = arrays_sent(collectives(compiled.as_text(), mesh))
+  over_data = {key: n for key, n in sent.items() if key[1] == ("data",)}
+  count = lambda kind: sum(n for key, n in over_data.items() if key[0] == kind)
+  params_flat = nnx.to_flat_state(params)
+  assert count("reduce-scatter") == len(params_flat)
+  assert count("all-gather") >= len(params_flat)  # forward, and again where backward needs
+  assert all(math.prod(key[3]) == 1 for key in over_data if key[0] == "all-reduce")
+
+
+def test_fsdp_checkpoints_move_to_runs_without_it_and_back(tmp_path):
+  """Checkpoints hold logical values: an FSDP run's restores into a plain run on another
+  mesh (uneven there), and a plain run's into an FSDP one."""
+  cfg = TransformerConfig.preset("llama-tiny")
+  for source, target, source_fsdp in (("2x4", "1x3", True), ("1x3", "4x2", False)):
+    folder = tmp_path / f"{source}-{source_fsdp}"
+    saved = trainer(flax_tp.make_mesh(source), TransformerConfig.preset("llama-tiny", fsdp=source_fsdp))
+    state = {"params": saved.params, "opt_state": saved.init_opt_state(saved.params)}
+    Checkpointer(folder).save(1, state, {})
+    into = trainer(flax_tp.make_mesh(target), TransformerConfig.preset("llama-tiny",
+                                                            fsdp=not source_fsdp), seed=9)
+    restored, _ = Checkpointer(folder).restore(
+        {"params": into.params, "opt_state": into.init_opt_state(into.params)})
+    for a, b in zip(jax.tree.leaves(flax_tp.unshard(restored["params"])),
+                    jax.tree.leaves(flax_tp.unshard(state["params"])), strict=True):
+      np.testing.assert_array_equal(a, b)
+    assert cfg.identity() == TransformerConfig.preset("llama-tiny", fsdp=True).identity()
+
+
+def test_a_model_put_back_runs_standalone():
+  """unshard_over_data gives the standalone layers (generation, export) what they read."""
+  from flax_tp.fsdp import unshard_over_data
+  mesh = flax_tp.make_mesh("2x4")
+  plain = Transformer(TransformerConfig.preset("llama-tiny"), mesh=mesh, rngs=nnx.Rngs(0))
+  fsdp = Transformer(TransformerConfig.preset("llama-tiny", fsdp=True), mesh=mesh,
+                     rngs=nnx.Rngs(0))
+  ids = jnp.arange(16).reshape(2, 8) % 259
+  unshard_over_data(fsdp)
+  np.testing.assert_array_equal(nnx.jit(lambda m, x: m(x))(fsdp, ids),
+                                nnx.jit(lambda m, x: m(x))(plain, ids))
+
+
+def test_the_cli_says_what_fsdp_leaves_whole_and_resumes_without_it(tmp_path, capsys):
+  """--fsdp is an execution option: a run resumes without it (another mesh too) with the
+  losses of a run that never used it. Params no dimension of which the data axis
+  divides (a column layer's bias, split over "model" on its only dimension) are named."""
+  import json
+
+  from helpers import TINY_RUN_FLAGS, write_small_corpus
+
+  from train.run import main
+  corpus = write_small_corpus(tmp_path / "corpus.py")
+  base = [*TINY_RUN_FLAGS, "--data", corpus, "--steps", "4"]
+  ck, first, second, plain = (tmp_path / n for n in ("ck", "a.jsonl", "b.jsonl", "c.jsonl"))
+  assert main([*base, "--mesh", "2x4", "--fsdp", "--checkpoint-dir", str(ck),
+               "--checkpoint-every", "2", "--metrics-file", str(first)]) == 0
+  out = capsys.readouterr().out
+  assert "FSDP over data" in out
+  assert "note: --fsdp leaves 8 param(s) replicated over the 2-way data axis" in out
+  shutil.rmtree(ck / "4")  # the run's end: resume from step 2
+  assert main([*base, "--mesh", "4x2", "--resume", "--checkpoint-dir", str(ck),
+               "--metrics-file", str(second)]) == 0
+  assert main([*base, "--mesh", "4x2", "--metrics-file", str(plain)]) == 0
+  losses = lambda path: [r["loss"] for r in map(json.loads, path.read_text().splitlines())
+                         if "loss" in r]
+  np.testing.assert_allclose(losses(first)[:2] + losses(second), losses(plain), rtol=1e-5)
