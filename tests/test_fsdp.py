@@ -43,6 +43,7 @@ def train(mesh, cfg, steps=2):
 
 @pytest.mark.parametrize("mesh_spec,options", [
     ("2x4", {}),
+    ("2x4", dict(remat="block")),
     ("4x2", dict(sequence_parallel=True, remat="block", scan_layers=True)),
     ("1x8", {}),
 ])
