@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--fsdp-meshes", type=comma_choices(("2x4", "4x2", "8x1", "1x8")),
                  default=["2x4", "4x2"], help="meshes of the fsdp section")
   p.add_argument("--fsdp-seq", type=positive_int, default=1024)
+  p.add_argument("--fsdp-options", type=comma_choices(tuple({**OPTIONS, **MORE_OPTIONS})),
+                 default=["plain"], help="option sets of the fsdp section")
   p.add_argument("--out", default=None)
   return p.parse_args(argv)
 
@@ -175,10 +177,10 @@ def step_section(args, log) -> dict:
 
 
 def fsdp_section(args, log) -> list[dict]:
-  """Per device, with and without FSDP, for ``--preset`` at each of ``--fsdp-meshes``:
-  params + AdamW state (XLA's argument bytes of the compiled step, the batch's few
-  bytes included) against the ideal, and what the step's collectives over "data"
-  produce against FSDP's analytic minimum."""
+  """Per device, with and without FSDP, for ``--preset`` at each of ``--fsdp-meshes`` and
+  ``--fsdp-options``: params + AdamW state (each array's shard, from its sharding)
+  against the ideal ``3 P / (D M)``, and what the step's collectives over "data"
+  produce against FSDP's analytic minimum (in the row)."""
   import jax
   from flax import nnx
 
@@ -190,31 +192,33 @@ def fsdp_section(args, log) -> list[dict]:
   logical = sum(x.size * 4 for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
       lambda: ReferenceTransformer(cfg0, rngs=nnx.Rngs(0))), nnx.Param)))
   rows = []
-  for spec in args.fsdp_meshes:
+  for spec, option, fsdp in ((s, o, f) for s in args.fsdp_meshes for o in args.fsdp_options
+                             for f in (False, True)):
     mesh = flax_tp.make_mesh(spec)
     d, m = mesh.shape["data"], mesh.shape["model"]
-    for fsdp in (False, True):
-      cfg = TransformerConfig.preset(args.preset, max_seq_len=args.fsdp_seq, fsdp=fsdp)
-      args_of = {}
-      compiled, seconds = abstract_step(cfg, mesh, args.batch, args.fsdp_seq, args_of)
-      found = [c for c in collectives(compiled.as_text(), mesh) if c.axes == ("data",)]
-      produced = {kind: sum(c.bytes for c in found if c.kind == kind)
-                  for kind in ("all-gather", "reduce-scatter", "all-reduce")}
-      # Per device: each array's shard, from its sharding (params, AdamW's mu and nu).
-      state = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                  for x in jax.tree.leaves(args_of))
-      row = dict(mesh=spec, fsdp=fsdp, state_bytes=state, ideal_state_bytes=3 * logical / (d * m),
-                 data_collective_result_bytes=produced, compile_s=seconds)
-      # FSDP's minimum: each param's model shard gathered forward and again backward
-      # (2 P / M), each gradient reduce-scattered (P / (D M)); data parallelism: one
-      # all-reduce of every gradient (P / M).
-      row["minimum_result_bytes"] = (dict(all_gather=2 * logical / m,
-                                          reduce_scatter=logical / (d * m)) if fsdp
-                                     else dict(all_reduce=logical / m))
-      rows.append(row)
-      log(f"fsdp {args.preset} {spec} fsdp={fsdp}: state {row['state_bytes'] / 2**30:.3f} "
-          f"GiB/device (ideal {row['ideal_state_bytes'] / 2**30:.3f}); over data "
-          + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in produced.items() if v))
+    cfg = TransformerConfig.preset(args.preset, max_seq_len=args.fsdp_seq, fsdp=fsdp,
+                                   **{**OPTIONS, **MORE_OPTIONS}[option])
+    args_of = {}
+    compiled, seconds = abstract_step(cfg, mesh, args.batch, args.fsdp_seq, args_of)
+    found = [c for c in collectives(compiled.as_text(), mesh) if c.axes == ("data",)]
+    produced = {kind: sum(c.bytes for c in found if c.kind == kind)
+                for kind in ("all-gather", "reduce-scatter", "all-reduce")}
+    # Per device: each array's shard, from its sharding (params, AdamW's mu and nu).
+    state = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                for x in jax.tree.leaves(args_of))
+    row = dict(mesh=spec, options=option, fsdp=fsdp, state_bytes=state,
+               ideal_state_bytes=3 * logical / (d * m),
+               data_collective_result_bytes=produced, compile_s=seconds)
+    # FSDP's minimum: each param's model shard gathered forward and again backward
+    # (2 P / M), each gradient reduce-scattered (P / (D M)); data parallelism: one
+    # all-reduce of every gradient (P / M).
+    row["minimum_result_bytes"] = (dict(all_gather=2 * logical / m,
+                                        reduce_scatter=logical / (d * m)) if fsdp
+                                   else dict(all_reduce=logical / m))
+    rows.append(row)
+    log(f"fsdp {args.preset} {spec} {option} fsdp={fsdp}: state {row['state_bytes'] / 2**30:.3f} "
+        f"GiB/device (ideal {row['ideal_state_bytes'] / 2**30:.3f}); over data "
+        + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in produced.items() if v))
   return rows
 
 
