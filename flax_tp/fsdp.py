@@ -5,7 +5,8 @@ shard's params, gradients and optimizer state. ``shard_over_data`` splits each p
 once more, over the ``"data"`` axis, on its *FSDP dimension*: the largest dimension,
 other than the one split over ``"model"``, that the data axis divides. A param that
 tensor parallelism leaves whole (a norm's scale) is split over both axes when their
-``D * M`` devices divide it. The optimizer's moments follow the params' sharding, so
+``D * M`` devices divide it; one split over ``"model"`` on its only dimension (a column
+layer's bias) has each model shard split over ``"data"``. The optimizer's moments follow the params' sharding, so
 params, gradients and Adam state all take ``1 / (D * M)`` of the whole per device.
 
 In a step (``train.step.Trainer``), ``gather_for_step`` runs inside the step's
@@ -58,6 +59,17 @@ def fsdp_dim(var: nnx.Variable, devices: int) -> int | None:
   return max(free, key=lambda d: (shape[d], -d)) if free else None
 
 
+def _within_model_shards(var: nnx.Variable, meta: dict, data_size: int) -> int | None:
+  """The model-split dim of ``var`` when ``data_size`` divides each model shard of it
+  (and no kv head is stored twice, whose norm weights are per model shard); else None."""
+  layout, dim = meta.get("tp_layout"), meta.get("tp_dim")
+  if layout is None or getattr(layout, "replicated", False):
+    return None
+  if meta["out_sharding"][dim] != MODEL_AXIS or layout.padded_size % data_size:
+    return None
+  return dim
+
+
 def shard_over_data(module: nnx.Module) -> list[str]:
   """Splits every param of ``module`` that lives on a mesh with a ``"data"`` axis over
   that axis too, in place (see the module docstring). Returns the paths of the params
@@ -81,6 +93,8 @@ def shard_over_data(module: nnx.Module) -> list[str]:
     axes: Any = (DATA_AXIS, MODEL_AXIS)
     if dim is None:
       dim, axes = fsdp_dim(var, size), DATA_AXIS
+    if dim is None:  # only the model-split dim (a column layer's bias): split its shards
+      dim, axes = _within_model_shards(var, meta, size), (MODEL_AXIS, DATA_AXIS)
     if dim is None:
       kept.append(".".join(map(str, path)))
       continue
@@ -98,7 +112,8 @@ def unshard_over_data(module: nnx.Module) -> nnx.Module:
     if FSDP_DIM not in meta:
       continue
     names = list(meta["out_sharding"])
-    names[meta[FSDP_DIM]] = None
+    names[meta[FSDP_DIM]] = MODEL_AXIS if names[meta[FSDP_DIM]] == (MODEL_AXIS, DATA_AXIS) \
+        else None
     var.set_value(jax.device_put(var[...], NamedSharding(meta["mesh"], P(*names))))
     var.set_metadata(out_sharding=tuple(names))
     var.del_metadata(FSDP_DIM)
@@ -116,7 +131,9 @@ def _gathered(var: nnx.Variable) -> nnx.Variable:
   meta = var.get_metadata()
   names = meta["out_sharding"]
   dim = meta[FSDP_DIM]
-  over_model = names[dim] != DATA_AXIS  # split over ("data", "model")
+  # ("data", "model"): whole under tensor parallelism, so gathered over "model" too;
+  # "data", or ("model", "data") (a model shard split over "data"): over "data" only.
+  over_model = names[dim] == (DATA_AXIS, MODEL_AXIS)
   dim -= len(names) - var[...].ndim  # a scanned layer's slice of a stacked param
 
   def gather(x):
