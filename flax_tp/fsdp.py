@@ -6,20 +6,25 @@ once more, over the ``"data"`` axis, on its *FSDP dimension*: the largest dimens
 other than the one split over ``"model"``, that the data axis divides. A param that
 tensor parallelism leaves whole (a norm's scale) is split over both axes when their
 ``D * M`` devices divide it; one split over ``"model"`` on its only dimension (a column
-layer's bias) has each model shard split over ``"data"``. The optimizer's moments follow the params' sharding, so
-params, gradients and Adam state all take ``1 / (D * M)`` of the whole per device.
+layer's bias) has each model shard split over ``"data"``. The optimizer's moments
+follow the params' sharding, so params, gradients and Adam state all take
+``1 / (D * M)`` of the whole per device.
 
 In a step (``train.step.Trainer``), ``gather_for_step`` runs inside the step's
-``shard_map``: each sharded param is all-gathered over ``"data"`` back to this
-device's model shard, under ``jax.checkpoint``, so the gathered copy is not kept
-for the backward pass but gathered again where backward needs it; the gradient
+``shard_map``, and each block of the model calls ``gather_block`` on its own params
+(a scanned layer inside the scan): each sharded param is all-gathered over ``"data"``
+back to this device's model shard, under ``jax.checkpoint``, so the gathered copy is
+not kept for the backward pass but gathered again where backward needs it; the gradient
 then leaves the transpose of that all-gather as a reduce-scatter over ``"data"``
 (each device keeps the sum of its slice), replacing data parallelism's all-reduce. A
 param split over both axes is first gathered over ``"model"`` (its backward keeps this
 device's slice: the gradient is the same on every model device), then over ``"data"``.
 The layers see exactly the params they would without FSDP, so the results are
-the same. A param none of whose dimensions the data axis divides (a bias of 90 over
-a 4-way data axis) stays replicated over ``"data"`` (``shard_over_data`` returns them).
+the same. A param the data axis can split nowhere (a bias of 90 over 4 devices: model
+shards of 23, over a 2-way data axis) stays replicated over ``"data"``
+(``shard_over_data`` returns them). XLA:CPU merges a recomputed gather back into the
+forward pass of an unrolled program (as it does all recomputation there), so there the
+gathered params stay for backward; inside a scan they are gathered again.
 
 Checkpoints hold logical values, so they move between runs with and without FSDP.
 The standalone layers (generation, export) read params replicated over ``"data"``:
@@ -118,11 +123,6 @@ def unshard_over_data(module: nnx.Module) -> nnx.Module:
     var.set_metadata(out_sharding=tuple(names))
     var.del_metadata(FSDP_DIM)
   return module
-
-
-def is_sharded_over_data(tree: Any) -> bool:
-  """Whether any param of ``tree`` (a module or state) is split over ``"data"``."""
-  return any(FSDP_DIM in var.get_metadata() for var in _params(tree))
 
 
 def _gathered(var: nnx.Variable) -> nnx.Variable:
