@@ -70,6 +70,15 @@ def test_two_processes_equal_one_and_checkpoint_moves_to_one_process(tmp_path, c
   np.testing.assert_allclose(losses(resumed), losses(single)[3:], rtol=1e-5)
 
 
+def _wait_for_steps(launcher, metrics, steps: int) -> None:
+  """Until the launched run's metrics file holds ``steps`` losses (bounded: 120 s)."""
+  deadline = time.time() + 120
+  while time.time() < deadline and not (metrics.exists() and metrics.read_text().count(
+      '"loss"') >= steps):
+    assert launcher.poll() is None, launcher.stderr.read()[-2000:]
+    time.sleep(0.2)
+
+
 def test_ctrl_c_on_the_launcher_saves_one_step_on_every_process(tmp_path, corpus):
   """The launcher forwards SIGINT once; both processes stop after the same step and save it."""
   ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
@@ -79,11 +88,7 @@ def test_ctrl_c_on_the_launcher_saves_one_step_on_every_process(tmp_path, corpus
        "--metrics-file", str(metrics), "--checkpoint-dir", str(ck)],
       env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count(
-        '"loss"') >= 3):
-      assert launcher.poll() is None, launcher.stderr.read()[-2000:]
-      time.sleep(0.2)
+    _wait_for_steps(launcher, metrics, 3)
     launcher.send_signal(signal.SIGINT)
     code = launcher.wait(timeout=120)
     err = launcher.stderr.read()
@@ -144,11 +149,7 @@ def test_killing_worker_0_of_the_launcher_is_one_line_and_status_1(tmp_path, cor
        "--metrics-file", str(metrics), "--heartbeat-timeout", "10"],
       env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count(
-        '"loss"') >= 3):
-      assert launcher.poll() is None, launcher.stderr.read()[-2000:]
-      time.sleep(0.2)
+    _wait_for_steps(launcher, metrics, 3)
     wanted = {b"FLAX_TP_PROCESS_ID=0", f"FLAX_TP_COORDINATOR=127.0.0.1:{port}".encode()}
     (worker0,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
                   and _environ(p) >= wanted]
