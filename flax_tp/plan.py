@@ -185,14 +185,12 @@ def _entries(model: nnx.Module, plan: dict[str, str] | None,
 def _with_heads(entry: _Entry, found: plan_inference.Trace) -> _Entry:
   """A planned column or row layer with the head size and parts the trace saw."""
   if entry.style == "column":
-    unit = found.head_dim.get(entry.path, 1)
-    unit = unit if entry.module.out_features % unit == 0 else 1
+    unit = plan_inference.head_unit(found, [entry.path], entry.module.out_features)
     return replace(entry, unit=unit, segments=plan_inference.segments_of(
         found, entry.path, entry.module.out_features, unit))
   if entry.style == "row":
-    units = {found.head_dim.get(col, 1) for col in found.feeds.get(entry.path, ())}
-    unit = units.pop() if len(units) == 1 else 1
-    return replace(entry, unit=unit if entry.module.in_features % unit == 0 else 1)
+    return replace(entry, unit=plan_inference.head_unit(
+        found, found.feeds.get(entry.path, ()), entry.module.in_features))
   return entry
 
 

@@ -216,17 +216,16 @@ def infer(entries_by_path: dict[str, nnx.Module], found: Trace) -> dict[str, tup
       continue
     if any(found.reaches.get(col, set()) != {row} for col in group):
       continue
-    units = {found.head_dim.get(col, 1) for col in group}
-    unit = units.pop() if len(units) == 1 else 1
+    unit = head_unit(found, group)
     names = ", ".join(sorted(group))
     for col in group:
-      col_unit = unit if entries_by_path[col].out_features % unit == 0 else 1
+      col_unit = head_unit(found, group, entries_by_path[col].out_features)
       parts = segments_of(found, col, entries_by_path[col].out_features, col_unit)
       plan[col] = ("column", col_unit,
                    f"feeds only {row}" + (f" (heads of {unit})" if unit > 1 else "")
                    + (f"; its output is split into {len(parts)} parts, each split on its own"
                       if parts else ""), parts)
-    row_unit = unit if entries_by_path[row].in_features % unit == 0 else 1
+    row_unit = head_unit(found, group, entries_by_path[row].in_features)
     plan[row] = ("row", row_unit, f"reads only {names}: one all-reduce", None)
   for path in entries_by_path:
     if path in plan:
@@ -242,6 +241,14 @@ def infer(entries_by_path: dict[str, nnx.Module], found: Trace) -> dict[str, tup
       why = "its reader also reads other values (e.g. a residual)"
     plan[path] = ("replicate", 1, f"kept whole: {why}", None)
   return {path: plan[path] for path in entries_by_path}  # in the model's order
+
+
+def head_unit(found: Trace, columns: Any, features: int | None = None) -> int:
+  """The head size the trace saw on the outputs of ``columns`` (1 unless they agree),
+  kept only where it divides ``features``."""
+  units = {found.head_dim.get(col, 1) for col in columns}
+  unit = units.pop() if len(units) == 1 else 1
+  return unit if features is None or features % unit == 0 else 1
 
 
 def segments_of(found: Trace, path: str, features: int, unit: int) -> tuple[int, ...] | None:
