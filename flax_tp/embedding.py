@@ -3,11 +3,16 @@
 Both take ``nnx.Embed``'s arguments plus ``mesh`` and ``axis_name``, draw their
 table from ``rngs`` as ``nnx.Embed`` does, and look ids up exactly as it does:
 negative ids count from the end, ids outside ``[-num_embeddings,
-num_embeddings)`` give rows of NaN.
+num_embeddings)`` give rows of ``jnp.take``'s fill value for the compute dtype (NaN
+for floats, the most negative value of a signed integer type, the largest of an
+unsigned one). ``embedding_metadata`` and partitioned initializers are accepted as
+``flax_tp.state.sharded_param`` describes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -48,12 +53,14 @@ class _ParallelEmbed(ParallelModule):
       embedding_init: Any = default_embed_init,
       promote_dtype: Any = dtypes.promote_dtype,
       rngs: nnx.Rngs,
+      embedding_metadata: Mapping[str, Any] = MappingProxyType({}),
   ):
     self._init_mesh(mesh, axis_name)
     self.layout = ShardLayout((num_embeddings, features)[self.split_dim], self.parallel_size)
     self.embedding = sharded_param(embedding_init, rngs.params(), (num_embeddings, features),
                                    param_dtype, mesh=mesh, axis_name=axis_name,
-                                   dim=self.split_dim)
+                                   dim=self.split_dim, metadata=embedding_metadata,
+                                   name="embedding")
     self.num_embeddings = num_embeddings
     self.features = features
     self.dtype = dtype or self.embedding.dtype
@@ -98,12 +105,16 @@ class VocabParallelEmbedding(_ParallelEmbed):
     super().__init__(num_embeddings, features, mesh=mesh, **kwargs)
     self.sequence_parallel = sequence_parallel
 
-  def __call__(self, inputs: Array) -> Array:
+  def __call__(self, inputs: Array, out_sharding: Any = None) -> Array:
+    """``out_sharding``: Flax's argument, for a standalone call (see ``_standalone``)."""
     self._check_ids(inputs)
     if self._is_local():
+      self._out_sharding(out_sharding)  # refuses a non-None one here
       return self._lookup(self.embedding[...], inputs, scatter=self.sequence_parallel)
-    return self._run_standalone(self._lookup, (self.embedding[...], inputs),
-                                (self._spec(2, 0), P()), P(), batch=1, min_ndim=1)
+    return self._standalone(
+        lambda ids: self._run_standalone(self._lookup, (self.embedding[...], ids),
+                                         (self._spec(2, 0), P()), P(), batch=1, min_ndim=1),
+        inputs, inputs.ndim, out_sharding)
 
   def _lookup(self, table: Array, ids: Array, scatter: bool = False) -> Array:
     layout, vocab = self.layout, self.num_embeddings
@@ -117,28 +128,39 @@ class VocabParallelEmbedding(_ParallelEmbed):
     mine = (local >= 0) & (local < jnp.asarray(layout.sizes)[index])
     rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
     rows = jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
-    # jnp.take (hence nnx.Embed) fills rows of out-of-range ids with NaN; every
-    # device marks them, so the sum keeps the NaN.
-    rows = jnp.where(valid[..., None], rows, jnp.full((), jnp.nan, rows.dtype))
     if not scatter:
-      return all_reduce(rows, "sum", self.axis_name)
-    if rows.ndim < 2 or rows.shape[-2] % self.parallel_size:
-      raise ValueError(
-          f"VocabParallelEmbedding(sequence_parallel=True) scatters the last axis of ids "
-          f"{tuple(ids.shape)} over {self.parallel_size} devices; pad it to a multiple of "
-          f"{self.parallel_size}")
-    return reduce_scatter(rows, axis=rows.ndim - 2, axis_name=self.axis_name)
+      rows = all_reduce(rows, "sum", self.axis_name)
+    else:
+      if rows.ndim < 2 or rows.shape[-2] % self.parallel_size:
+        raise ValueError(
+            f"VocabParallelEmbedding(sequence_parallel=True) scatters the last axis of ids "
+            f"{tuple(ids.shape)} over {self.parallel_size} devices; pad it to a multiple of "
+            f"{self.parallel_size}")
+      rows = reduce_scatter(rows, axis=rows.ndim - 2, axis_name=self.axis_name)
+      block = rows.shape[-2]
+      valid = jax.lax.dynamic_slice_in_dim(valid, index * block, block, axis=-1)
+    # jnp.take (hence nnx.Embed) fills the rows of out-of-range ids; set after the
+    # sum, so that an integer fill does not overflow in it.
+    return jnp.where(valid[..., None], rows, _take_fill_value(rows.dtype))
 
-  def attend(self, query: Array) -> Array:
+  def attend(self, query: Array, out_sharding: Any = None) -> Array:
+    """``out_sharding``: Flax's argument, for a standalone call (see ``_standalone``).
+
+    On an Auto mesh with ``out_sharding=None`` the standalone logits stay split over
+    the vocabulary (a global array sharded on its last axis): a loss over them then
+    reduces ``[...]``-sized maxima and sums across devices instead of gathering
+    ``[..., num_embeddings]``. On an Explicit mesh they are typed as ``nnx.Embed``'s.
+    """
     if self._is_local():
+      self._out_sharding(out_sharding)  # refuses a non-None one here
       return self._attend(self.embedding[...], query)
-    # Standalone the logits stay split over the vocabulary (a global array sharded
-    # on its last axis): a loss over them then reduces [..]-sized maxima and sums
-    # across devices instead of gathering [..., num_embeddings].
-    logits = self._run_standalone(self._attend, (self.embedding[...], query),
-                                  (self._spec(2, 0), P()), self._spec(query.ndim, -1),
-                                  batch=1, share_input=True)
-    return self.layout.unpad(logits, -1)
+
+    def logits(query):
+      split = self._run_standalone(self._attend, (self.embedding[...], query),
+                                   (self._spec(2, 0), P()), self._spec(query.ndim, -1),
+                                   batch=1, share_input=True)
+      return self.layout.unpad(split, -1)
+    return self._standalone(logits, query, query.ndim - 1, out_sharding)
 
   def _attend(self, table: Array, query: Array) -> Array:
     table = masked(table, self.layout, 0, self.axis_name)
@@ -166,15 +188,20 @@ class ParallelEmbedding(_ParallelEmbed):
     super().__init__(num_embeddings, features, mesh=mesh, **kwargs)
     self.gather_output = gather_output
 
-  def __call__(self, inputs: Array) -> Array:
+  def __call__(self, inputs: Array, out_sharding: Any = None) -> Array:
+    """``out_sharding``: Flax's argument, for a standalone call (see ``_standalone``)."""
     self._check_ids(inputs)
     if self._is_local():
+      self._out_sharding(out_sharding)  # refuses a non-None one here
       return self._lookup(self.embedding[...], inputs, gather=self.gather_output)
-    out_spec = P() if self.gather_output else self._spec(inputs.ndim + 1, -1)
-    out = self._run_standalone(lambda t, i: self._lookup(t, i, gather=self.gather_output),
-                               (self.embedding[...], inputs), (self._spec(2, 1), P()),
-                               out_spec, batch=1, min_ndim=1)
-    return out if self.gather_output else self.layout.unpad(out, -1)
+
+    def lookup(ids):
+      out_spec = P() if self.gather_output else self._spec(ids.ndim + 1, -1)
+      out = self._run_standalone(lambda t, i: self._lookup(t, i, gather=self.gather_output),
+                                 (self.embedding[...], ids), (self._spec(2, 1), P()),
+                                 out_spec, batch=1, min_ndim=1)
+      return out if self.gather_output else self.layout.unpad(out, -1)
+    return self._standalone(lookup, inputs, inputs.ndim, out_sharding)
 
   def _lookup(self, table: Array, ids: Array, *, gather: bool) -> Array:
     table = self._table(table)
@@ -186,14 +213,31 @@ class ParallelEmbedding(_ParallelEmbed):
       return rows
     return self.layout.unpad(all_gather(rows, axis=-1, axis_name=self.axis_name), -1)
 
-  def attend(self, query: Array) -> Array:
+  def attend(self, query: Array, out_sharding: Any = None) -> Array:
+    """``out_sharding``: Flax's argument, for a standalone call (see ``_standalone``)."""
     if self._is_local():
+      self._out_sharding(out_sharding)  # refuses a non-None one here
       return self._attend(self.embedding[...], query)
-    return self._run_standalone(self._attend, (self.embedding[...], query),
-                                (self._spec(2, 1), P()), P(), batch=1)
+    return self._standalone(
+        lambda q: self._run_standalone(self._attend, (self.embedding[...], q),
+                                       (self._spec(2, 1), P()), P(), batch=1),
+        query, query.ndim - 1, out_sharding)
 
   def _attend(self, table: Array, query: Array) -> Array:
     table = masked(table, self.layout, 1, self.axis_name)
     query, table = self.promote_dtype((query, table), dtype=self.dtype)
     partial = jnp.dot(split_local(query, self.layout, self.axis_name), table.T)
     return all_reduce(partial, "sum", self.axis_name)
+
+
+def _take_fill_value(dtype: Any) -> jax.Array:
+  """The value ``jnp.take`` (mode "fill", as ``nnx.Embed`` uses it) gives an
+  out-of-range index in ``dtype``: NaN for inexact types, the most negative value
+  of a signed integer type, the largest of an unsigned one, True for booleans."""
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.full((), jnp.nan, dtype)
+  if jnp.issubdtype(dtype, jnp.signedinteger):
+    return jnp.full((), jnp.iinfo(dtype).min, dtype)
+  if jnp.issubdtype(dtype, jnp.unsignedinteger):
+    return jnp.full((), jnp.iinfo(dtype).max, dtype)
+  return jnp.full((), True, dtype)

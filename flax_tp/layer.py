@@ -7,10 +7,14 @@ A layer runs in one of two contexts, read from JAX at call time:
    computation in its own ``jax.shard_map`` over its mesh.
 2. inside a ``shard_map`` over the mesh (the axis is bound): Megatron semantics
    on local shards; the params seen are this device's shards.
+
+A standalone call takes Flax's ``out_sharding`` argument, and works on meshes
+with Explicit axes as well as Auto ones (``ParallelModule._standalone``).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +22,7 @@ from typing import Any
 import jax
 import jax.extend
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import axis_is_bound
 from flax_tp.mesh import DATA_AXIS
@@ -41,6 +45,10 @@ class ParallelModule(nnx.Module):
     if axis_name not in mesh.axis_names:
       raise ValueError(
           f"axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
+    if len(set(mesh.axis_types)) > 1:
+      raise ValueError(
+          f"mesh axis types {tuple(t.name for t in mesh.axis_types)} mix kinds: flax_tp layers "
+          "take a mesh whose axes are all Auto (flax_tp.make_mesh) or all Explicit")
     self.mesh = mesh
     self.axis_name = axis_name
 
@@ -56,6 +64,42 @@ class ParallelModule(nnx.Module):
 
   def _is_local(self) -> bool:
     return axis_is_bound(self.axis_name)
+
+  def _standalone(self, compute: Callable[[Any], Any], x: Any, batch_dims: int,
+                  out_sharding: Any) -> jax.Array:
+    """A standalone call, ``compute(x)`` (the logical output), placed as Flax places it.
+
+    ``out_sharding`` is Flax's argument: ``None``, or a ``PartitionSpec`` (of this
+    layer's mesh) or ``NamedSharding`` the output is placed on. On a mesh with
+    Explicit axes the output's type is the one the Flax layer gives: ``x``'s sharding
+    on its first ``batch_dims`` dims and the last (feature) dim replicated, unless
+    ``out_sharding`` says otherwise. ``compute`` then runs under
+    ``jax.sharding.auto_axes``: its pads, maps and unpads are the Auto-mesh ones,
+    and the maps run over an Auto copy of the mesh (``map_mesh``).
+    """
+    sharding = self._out_sharding(out_sharding)
+    if self.mesh.axis_types[0] != AxisType.Explicit:
+      y = compute(x)
+      return y if sharding is None else jax.lax.with_sharding_constraint(y, sharding)
+    if sharding is None:
+      spec = tuple(getattr(jax.typeof(x).sharding, "spec", ()))
+      spec = (spec + (None,) * x.ndim)[:batch_dims]
+      sharding = NamedSharding(self.mesh, P(*spec, None))
+    return jax.sharding.auto_axes(compute, out_sharding=sharding)(x)
+
+  def _out_sharding(self, out_sharding: Any) -> NamedSharding | None:
+    if out_sharding is None:
+      return None
+    if self._is_local():
+      raise ValueError(
+          f"out_sharding={out_sharding!r}: inside shard_map a layer returns this device's "
+          "values; out_sharding places the output of a standalone call")
+    if isinstance(out_sharding, NamedSharding):
+      return out_sharding
+    if isinstance(out_sharding, (P, tuple, list)):
+      return NamedSharding(self.mesh, P(*out_sharding))
+    raise TypeError(f"out_sharding must be None, a PartitionSpec or a NamedSharding, got "
+                    f"{out_sharding!r}")
 
   def _run_standalone(self, local_fn: Callable[..., Any], args: Sequence[Any],
                       in_specs: Sequence[Any], out_specs: Any, *,
@@ -78,6 +122,7 @@ class ParallelModule(nnx.Module):
     their input gradients before one all-reduce.
     """
     args, in_specs = list(args), list(in_specs)
+    mesh = map_mesh(self.mesh)
     split = batch is not None and self._splits_batch(args[batch], min_ndim)
     data = (DATA_AXIS,) if split else ()
     if split:  # one spec, or a list of them (one per output)
@@ -88,26 +133,26 @@ class ParallelModule(nnx.Module):
       # would dispatch (and compile) every operation of the layer on its own.
       if split:
         in_specs[batch] = P(DATA_AXIS, *tuple(in_specs[batch])[1:])
-      return jax.jit(jax.shard_map(local_fn, mesh=self.mesh, in_specs=tuple(in_specs),
+      return jax.jit(jax.shard_map(local_fn, mesh=mesh, in_specs=tuple(in_specs),
                                    out_specs=out_specs, check_vma=True))(*args)
     copied = []  # arguments passed as [copies, ...]: the map takes copy [0]
     for i, (arg, spec) in enumerate(zip(args, in_specs, strict=True)):
       if i == batch:
         if share_input and tuple(spec) == () and self.parallel_size > 1:
-          args[i] = per_device_copies(arg, self.mesh, self.axis_name, P(*data))
+          args[i] = per_device_copies(arg, mesh, self.axis_name, P(*data))
           in_specs[i] = P(self.axis_name, *data)
           copied.append(i)
         elif split:
           in_specs[i] = P(DATA_AXIS, *tuple(spec)[1:])
       elif split and arg is not None:
-        args[i] = per_device_copies(arg, self.mesh, DATA_AXIS, spec)
+        args[i] = per_device_copies(arg, mesh, DATA_AXIS, spec)
         in_specs[i] = P(DATA_AXIS, *spec)
         copied.append(i)
 
     def local(*local_args):
       return local_fn(*(a[0] if i in copied else a for i, a in enumerate(local_args)))
 
-    return jax.shard_map(local, mesh=self.mesh, in_specs=tuple(in_specs),
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
                          out_specs=out_specs, check_vma=True)(*args)
 
   def _splits_batch(self, x: Any, min_ndim: int = 2) -> bool:
@@ -118,6 +163,16 @@ class ParallelModule(nnx.Module):
   def _spec(self, ndim: int, dim: int | None) -> P:
     """Spec of a rank-``ndim`` array split over the model axis on ``dim``."""
     return P(*partition_names(ndim, dim, self.axis_name, self.parallel_size))
+
+
+@functools.cache
+def map_mesh(mesh: Mesh) -> Mesh:
+  """The mesh a standalone layer's ``shard_map`` runs over: ``mesh`` itself when its
+  axes are Auto; for Explicit axes an Auto copy of it (same devices and names), as
+  the standalone call runs under ``jax.sharding.auto_axes``."""
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 class _Copies:

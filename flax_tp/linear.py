@@ -3,11 +3,15 @@
 Both take ``nnx.Linear``'s arguments plus ``mesh`` and ``axis_name``, draw their
 params from ``rngs`` exactly as ``nnx.Linear`` does, and store them sharded over
 the model axis (padded when the axis does not divide the split dimension).
+``kernel_metadata`` / ``bias_metadata`` and partitioned initializers
+(``nnx.with_partitioning``) are accepted as ``flax_tp.state.sharded_param``
+describes: the layer places its params itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -19,12 +23,12 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from jax.sharding import Mesh, PartitionSpec as P
 
 from flax_tp.collectives import (
-    all_gather,
-    all_reduce,
-    copy_to_parallel,
-    gather_to_parallel,
-    reduce_scatter,
-    shard_index,
+  all_gather,
+  all_reduce,
+  copy_to_parallel,
+  gather_to_parallel,
+  reduce_scatter,
+  shard_index,
 )
 from flax_tp.layer import ParallelModule
 from flax_tp.matmul import dense_matmul
@@ -55,9 +59,12 @@ class _ParallelDense(ParallelModule):
       bias_init: Any = default_bias_init,
       dot_general: Any = jax.lax.dot_general,
       promote_dtype: Any = dtypes.promote_dtype,
+      preferred_element_type: Any = None,
       shard_unit: int = 1,
       layout: ShardLayout | None = None,
       rngs: nnx.Rngs,
+      kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+      bias_metadata: Mapping[str, Any] = MappingProxyType({}),
   ):
     self._init_mesh(mesh, axis_name)
     split = self.split_dim
@@ -69,14 +76,15 @@ class _ParallelDense(ParallelModule):
     # Same order of key draws as nnx.Linear: kernel, then bias.
     self.kernel = sharded_param(kernel_init, rngs.params(), (in_features, out_features),
                                 param_dtype, mesh=mesh, axis_name=axis_name, dim=split,
-                                layout=self.layout)
+                                layout=self.layout, metadata=kernel_metadata, name="kernel")
     if use_bias:
       # The column layer splits its bias with the outputs; the row layer adds its
       # bias once after the reduce, so every device holds all of it.
       self.bias = sharded_param(bias_init, rngs.params(), (out_features,), param_dtype,
                                 mesh=mesh, axis_name=axis_name,
                                 dim=0 if split == 1 else None,
-                                layout=self.layout if split == 1 else None)
+                                layout=self.layout if split == 1 else None,
+                                metadata=bias_metadata, name="bias")
     else:
       self.bias = nnx.data(None)
     self.in_features = in_features
@@ -87,16 +95,25 @@ class _ParallelDense(ParallelModule):
     self.precision = precision
     self.dot_general = dot_general
     self.promote_dtype = promote_dtype
+    self.preferred_element_type = preferred_element_type
 
   def _matmul(self, x: Array, kernel: Array, bias: Array | None) -> tuple[Array, Array | None]:
+    """The local ``x @ kernel`` as ``nnx.Linear`` computes it (dtype promotion,
+    precision, ``preferred_element_type``: the partial products a row layer sums are
+    in that type, so the reduction is too), and the promoted bias."""
     x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
     if self.dot_general is jax.lax.dot_general:
       # Same values; on CPU the kernel gradient takes XLA's fast dot (flax_tp/matmul.py).
       y = dense_matmul(x, kernel, precision=self.precision,
+                       preferred_element_type=self.preferred_element_type,
                        cpu_gradient=self.mesh.devices.flat[0].platform == "cpu")
     else:
+      # As nnx.Linear: preferred_element_type is passed only when set, so a user's
+      # dot_general without that argument keeps working.
+      kwargs = ({} if self.preferred_element_type is None
+                else {"preferred_element_type": self.preferred_element_type})
       y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                           precision=self.precision)
+                           precision=self.precision, **kwargs)
     return y, bias
 
   def _params(self) -> tuple[Array, Array | None]:
@@ -122,7 +139,11 @@ class ColumnParallelDense(_ParallelDense):
   may instead give the split, e.g. a ``KVHeadLayout`` for grouped-query keys and
   values, whose replicated heads get the sum of their copies' gradients, or a
   ``SegmentedLayout`` for a fused ``[q | k | v]`` output (each part split on its own;
-  standalone, the output is the concatenation of the parts' split outputs).
+  standalone, the output is built from the parts' split outputs, in the form XLA
+  folds for the model's way of taking it apart: ``parts_output="concat"``, their
+  concatenation, for ``jnp.split``; ``"stacked"``, a ``[..., parts, size]`` stack
+  reshaped, for a reshape to ``[..., parts, heads, head_dim]``; the values are the
+  same, and ``parallelize`` chooses from its trace).
 
   ``sequence_parallel`` (Megatron's sequence parallelism): inside ``shard_map``
   ``x [..., s_local, in]`` is this device's block of the sequence (axis -2),
@@ -135,16 +156,29 @@ class ColumnParallelDense(_ParallelDense):
   split_dim = 1
 
   def __init__(self, in_features: int, out_features: int, *, mesh: Mesh,
-               gather_output: bool = True, sequence_parallel: bool = False, **kwargs):
+               gather_output: bool = True, sequence_parallel: bool = False,
+               parts_output: str = "concat", **kwargs):
     super().__init__(in_features, out_features, mesh=mesh, **kwargs)
+    if parts_output not in ("concat", "stacked"):
+      raise ValueError(f"parts_output must be 'concat' or 'stacked', got {parts_output!r}")
+    if parts_output == "stacked" and not (isinstance(self.layout, SegmentedLayout)
+                                          and len(set(self.layout.segments)) == 1):
+      raise ValueError("parts_output='stacked' needs a SegmentedLayout of equal parts, got "
+                       f"{self.layout}")
     self.gather_output = gather_output
     self.sequence_parallel = sequence_parallel
+    self.parts_output = parts_output
 
-  def __call__(self, inputs: Array) -> Array:
+  def __call__(self, inputs: Array, out_sharding: Any = None) -> Array:
+    """``out_sharding``: Flax's argument, for a standalone call (see ``_standalone``)."""
     if self._is_local():
+      self._out_sharding(out_sharding)  # refuses a non-None one here
       if self.sequence_parallel:
         inputs = gather_to_parallel(inputs, axis=-2, axis_name=self.axis_name)
       return self._local(*self._params(), inputs, gather=self.gather_output)
+    return self._standalone(self._call_standalone, inputs, inputs.ndim - 1, out_sharding)
+
+  def _call_standalone(self, inputs: Array) -> Array:
     kernel_spec, bias_spec = self._param_specs()
     specs = (kernel_spec, bias_spec, P())
     if isinstance(self.layout, SegmentedLayout) and not self.gather_output:
@@ -160,7 +194,11 @@ class ColumnParallelDense(_ParallelDense):
       ys = self._run_standalone(segments, (*self._params(), inputs), specs,
                                 [self._spec(inputs.ndim, -1)] * len(layouts), batch=2,
                                 share_input=True)
-      return jnp.concatenate([s.unpad(y, -1) for s, y in zip(layouts, ys, strict=True)], -1)
+      parts = [s.unpad(y, -1) for s, y in zip(layouts, ys, strict=True)]
+      if self.parts_output == "stacked":
+        stacked = jnp.stack(parts, axis=-2)  # [..., parts, size]
+        return stacked.reshape(*stacked.shape[:-2], -1)
+      return jnp.concatenate(parts, -1)
     out_spec = P() if self.gather_output else self._spec(inputs.ndim, -1)
     y = self._run_standalone(
         lambda k, b, x: self._local(k, b, x, gather=self.gather_output),
@@ -216,12 +254,17 @@ class RowParallelDense(_ParallelDense):
     self.input_is_parallel = input_is_parallel
     self.sequence_parallel = sequence_parallel
 
-  def __call__(self, inputs: Array) -> Array:
+  def __call__(self, inputs: Array, out_sharding: Any = None) -> Array:
+    """``out_sharding``: Flax's argument, for a standalone call (see ``_standalone``)."""
     if self._is_local():
+      self._out_sharding(out_sharding)  # refuses a non-None one here
       return self._local(*self._params(), inputs, parallel_input=self.input_is_parallel,
                          scatter=self.sequence_parallel)
-    # Standalone, the logical input is padded and sharded on the way in, which is
-    # cheaper than handing every device all of it and slicing.
+    return self._standalone(self._call_standalone, inputs, inputs.ndim - 1, out_sharding)
+
+  def _call_standalone(self, inputs: Array) -> Array:
+    # The logical input is padded and sharded on the way in, which is cheaper than
+    # handing every device all of it and slicing.
     kernel_spec, bias_spec = self._param_specs()
     return self._run_standalone(
         lambda k, b, x: self._local(k, b, x, parallel_input=True),
@@ -270,10 +313,10 @@ def fused_column_parallel(layers: Sequence[ColumnParallelDense], x: Array) -> tu
   its own.
   """
   first = layers[0]
-  if len({(layer.axis_name, layer.in_features, layer.dtype, layer.precision)
-          for layer in layers}) != 1:
-    raise ValueError("fused_column_parallel needs layers of one axis, input width, dtype "
-                     "and precision")
+  if len({(layer.axis_name, layer.in_features, layer.dtype, layer.precision,
+           layer.preferred_element_type) for layer in layers}) != 1:
+    raise ValueError("fused_column_parallel needs layers of one axis, input width, dtype, "
+                     "precision and preferred_element_type")
   if not first._is_local():
     return tuple(layer(x) for layer in layers)
   if any(layer.gather_output or layer.sequence_parallel for layer in layers):

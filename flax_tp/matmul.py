@@ -28,7 +28,7 @@ Array = jax.Array
 
 
 def dense_matmul(x: Array, kernel: Array, *, precision: Any = None,
-                 cpu_gradient: bool = False) -> Array:
+                 preferred_element_type: Any = None, cpu_gradient: bool = False) -> Array:
   """``x [..., in] @ kernel [in, out]`` -> ``[..., out]``, both on this device.
 
   ``cpu_gradient``: write the kernel gradient as XLA:CPU's canonical dot
@@ -37,27 +37,28 @@ def dense_matmul(x: Array, kernel: Array, *, precision: Any = None,
   forward-mode autodiff included; the kernel gradient may differ in the last
   bits (another summation order). It costs one transposed copy of ``dy`` per
   kernel gradient, as GSPMD's step pays. Off on other backends, whose matmuls
-  read transposed operands natively.
+  read transposed operands natively. ``preferred_element_type``: the output's
+  (and accumulation's) dtype, as ``jax.lax.dot_general`` takes it.
   """
   if cpu_gradient:
-    return _cpu_matmul(precision)(x, kernel)
-  return _dot(x, kernel, precision)
+    return _cpu_matmul(precision, preferred_element_type)(x, kernel)
+  return _dot(x, kernel, precision, preferred_element_type)
 
 
-def _dot(x: Array, kernel: Array, precision: Any) -> Array:
+def _dot(x: Array, kernel: Array, precision: Any, preferred_element_type: Any = None) -> Array:
   return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                             precision=precision)
+                             precision=precision, preferred_element_type=preferred_element_type)
 
 
 @functools.cache
-def _cpu_matmul(precision: Any):
+def _cpu_matmul(precision: Any, preferred_element_type: Any):
   """``_dot`` with its JVP written so that its transpose, the kernel gradient,
   is ``(dy^T @ x)^T`` with ``dy^T`` materialised."""
   barrier = jax.lax.optimization_barrier
 
   @jax.custom_jvp
   def matmul(x, kernel):
-    return _dot(x, kernel, precision)
+    return _dot(x, kernel, precision, preferred_element_type)
 
   @matmul.defjvp
   def matmul_jvp(primals, tangents):
@@ -69,8 +70,10 @@ def _cpu_matmul(precision: Any):
     # (the inner barrier keeps it a copy), dy^T @ x [out, in] (canonical), then
     # its transpose (the outer barrier keeps XLA from folding it into the dot).
     dy_kernel = barrier(jax.lax.dot_general(barrier(dkernel.T), x_2d, (((1,), (1,)), ((), ())),
-                                            precision=precision)).T
-    dy = _dot(dx, kernel, precision) + dy_kernel.reshape(*x.shape[:-1], kernel.shape[1])
-    return _dot(x, kernel, precision), dy
+                                            precision=precision,
+                                            preferred_element_type=preferred_element_type)).T
+    dy = (_dot(dx, kernel, precision, preferred_element_type)
+          + dy_kernel.reshape(*x.shape[:-1], kernel.shape[1]))
+    return _dot(x, kernel, precision, preferred_element_type), dy
 
   return matmul

@@ -146,28 +146,40 @@ class ShardLayout:
     """``[padded_size]`` bool mask of shard ``shard_index`` (may be traced)."""
     return jnp.arange(self.padded_size) < jnp.asarray(self.sizes)[shard_index]
 
+  def stored_positions(self) -> np.ndarray:
+    """``[parts, padded_size]``: the logical element each stored element holds, or
+    ``size`` for padding. The one table that ``shard`` and ``pad`` read."""
+    return self._stored_positions
+
+  @functools.cached_property
+  def _stored_positions(self) -> np.ndarray:
+    table = np.full((self.parts, self.padded_size), self.size)
+    for i in range(self.parts):
+      for at, length, start in self.runs(i):
+        table[i, at:at + length] = start + np.arange(length)
+    table.flags.writeable = False
+    return table
+
   def shard(self, tensor: Array, index: int, dim: int) -> Array:
     """Shard ``index`` of the logical ``tensor`` along ``dim``, zero-padded."""
     dim = _check_split_args(np.ndim(tensor), index, self.parts, dim)
     self._check_dim(tensor, dim)
-    xp = jnp if isinstance(tensor, jax.Array) else np
-    blocks = tensor.reshape(tensor.shape[:dim] + (self.size // self.unit, self.unit)
-                            + tensor.shape[dim + 1:])
-    part = split_tensor_for_parallelism(blocks, index, self.parts, dim)
-    part = part.reshape(tensor.shape[:dim] + (-1,) + tensor.shape[dim + 1:])
-    pad = [(0, 0)] * tensor.ndim
-    pad[dim] = (0, self.padded_size - part.shape[dim])
-    return xp.pad(part, pad)
+    return _take_or_zero(tensor, self.stored_positions()[index], dim)
 
   def pad(self, tensor: Array, dim: int) -> Array:
-    """The stored form ``[..., padded_total, ...]`` of a logical tensor."""
+    """The stored form ``[..., padded_total, ...]`` of a logical tensor.
+
+    Built as one gather of the logical elements (padding reads zero), not as a
+    concatenation of padded slices: XLA's SPMD partitioner (jax 0.10.2) partitions
+    the transpose of that concatenation wrongly when the result is sharded over
+    the axis (tests/test_dropin.py has a plain-JAX reproduction), so a standalone
+    row layer's input gradient was wrong under ``jax.jit``.
+    """
     dim = _check_split_args(np.ndim(tensor), 0, 1, dim)
+    self._check_dim(tensor, dim)
     if self.stored_is_logical:
-      self._check_dim(tensor, dim)
       return tensor
-    xp = jnp if isinstance(tensor, jax.Array) else np
-    return xp.concatenate([self.shard(tensor, i, dim) for i in range(self.parts)],
-                          axis=dim)
+    return _take_or_zero(tensor, self.stored_positions().reshape(-1), dim)
 
   def unpad(self, stored: Array, dim: int) -> Array:
     """The logical tensor ``[..., size, ...]`` from its stored form."""
@@ -230,16 +242,6 @@ class KVHeadLayout(ShardLayout):
     starts = [o for o, s in self._bounds if s]
     return any(b < a for a, b in zip(ends, starts[1:], strict=False))
 
-  def shard(self, tensor: Array, index: int, dim: int) -> Array:
-    dim = _check_split_args(np.ndim(tensor), index, self.parts, dim)
-    self._check_dim(tensor, dim)
-    xp = jnp if isinstance(tensor, jax.Array) else np
-    offset, size = self._bounds[index]
-    part = xp.take(tensor, np.arange(offset, offset + size), axis=dim)
-    pad = [(0, 0)] * tensor.ndim
-    pad[dim] = (0, self.padded_size - size)
-    return xp.pad(part, pad)
-
   def valid_indices(self) -> np.ndarray:
     """``[size]``: the stored position of each logical element's first copy."""
     first = np.full(self.size, -1)
@@ -249,14 +251,6 @@ class KVHeadLayout(ShardLayout):
       unset = first[logical] < 0
       first[logical[unset]] = positions[unset]
     return first
-
-  def stored_positions(self) -> np.ndarray:
-    """``[parts, padded_size]``: the logical element each stored element copies, or
-    ``size`` for padding."""
-    table = np.full((self.parts, self.padded_size), self.size)
-    for i, (offset, size) in enumerate(self._bounds):
-      table[i, :size] = offset + np.arange(size)
-    return table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,10 +336,11 @@ class SegmentedLayout(ShardLayout):
   def local_mask(self, shard_index: Array) -> jax.Array:
     return jnp.concatenate([s.local_mask(shard_index) for s in self.layouts])
 
-  def shard(self, tensor: Array, index: int, dim: int) -> Array:
-    dim = _check_split_args(np.ndim(tensor), index, self.parts, dim)
-    self._check_dim(tensor, dim)
-    xp = jnp if isinstance(tensor, jax.Array) else np
-    parts = [s.shard(xp.take(tensor, np.arange(start, start + s.size), axis=dim), index, dim)
-             for start, s in zip(self.logical_offsets, self.layouts, strict=True)]
-    return xp.concatenate(parts, axis=dim)
+
+def _take_or_zero(tensor: Array, positions: np.ndarray, dim: int) -> Array:
+  """``tensor`` gathered along ``dim`` at ``positions``; a position equal to the
+  dimension's size reads zero (padding)."""
+  if isinstance(tensor, jax.Array):
+    return jnp.take(tensor, positions, axis=dim, mode="fill", fill_value=0)
+  zero = np.zeros(tensor.shape[:dim] + (1,) + tensor.shape[dim + 1:], tensor.dtype)
+  return np.take(np.concatenate([tensor, zero], axis=dim), positions, axis=dim)

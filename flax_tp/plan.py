@@ -45,7 +45,7 @@ from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
 from flax_tp.linear import ColumnParallelDense, RowParallelDense
 from flax_tp.mesh import MODEL_AXIS
 from flax_tp.partition import SegmentedLayout, ShardLayout
-from flax_tp.state import load_unsharded, replicate_on_mesh
+from flax_tp.state import load_unsharded, replicate_on_mesh, user_metadata
 
 STYLES = ("column", "row", "vocab", "embed_features", "replicate")
 ALIASES = {"colwise": "column", "rowwise": "row"}  # HF transformers' tp_plan names
@@ -66,6 +66,8 @@ class _Entry:
   unit: int = 1
   reason: str = ""
   segments: tuple[int, ...] | None = None  # a column output split into these parts
+  regrouped: str | None = None  # a reshape of a column output the trace could not follow
+  parts_form: str = "concat"  # how the model takes the segments apart (ColumnParallelDense)
 
 
 def _style(name: Any, pattern: str) -> str:
@@ -118,12 +120,15 @@ def _parallel_layer(entry: _Entry, mesh: Mesh, axis_name: str) -> nnx.Module | N
     kwargs = dict(mesh=mesh, axis_name=axis_name, use_bias=m.use_bias, dtype=m.dtype,
                   param_dtype=m.param_dtype, precision=m.precision,
                   dot_general=m.dot_general, promote_dtype=m.promote_dtype,
+                  preferred_element_type=m.preferred_element_type,
+                  kernel_metadata=user_metadata(m.kernel),
+                  bias_metadata=user_metadata(m.bias) if m.use_bias else {},
                   rngs=nnx.Rngs(0))
     if entry.style == "column" and entry.segments:
       layout = SegmentedLayout(m.out_features, mesh.shape[axis_name], entry.unit,
                                entry.segments)
       layer = ColumnParallelDense(m.in_features, m.out_features, gather_output=False,
-                                  layout=layout, **kwargs)
+                                  layout=layout, parts_output=entry.parts_form, **kwargs)
     elif entry.style == "column":
       layer = ColumnParallelDense(m.in_features, m.out_features, gather_output=False,
                                   shard_unit=entry.unit, **kwargs)
@@ -132,7 +137,8 @@ def _parallel_layer(entry: _Entry, mesh: Mesh, axis_name: str) -> nnx.Module | N
   elif entry.style in ("vocab", "embed_features"):
     cls = VocabParallelEmbedding if entry.style == "vocab" else ParallelEmbedding
     layer = cls(m.num_embeddings, m.features, mesh=mesh, axis_name=axis_name, dtype=m.dtype,
-                param_dtype=m.param_dtype, promote_dtype=m.promote_dtype, rngs=nnx.Rngs(0))
+                param_dtype=m.param_dtype, promote_dtype=m.promote_dtype,
+                embedding_metadata=user_metadata(m.embedding), rngs=nnx.Rngs(0))
   else:
     return None
   load_unsharded(layer, m)  # the module's values, padded and sharded: no re-initialisation
@@ -178,16 +184,22 @@ def _entries(model: nnx.Module, plan: dict[str, str] | None,
     raise ValueError("the model has no nnx.Linear or nnx.Embed to parallelize")
   found = plan_inference.trace(model, list(layers), tuple(inputs))
   inferred = plan_inference.infer(layers, found)
-  return [_Entry(path, parts_of[path], layers[path], style, None, unit, reason, segments)
+  return [_Entry(path, parts_of[path], layers[path], style, None, unit, reason, segments,
+                 plan_inference.unfollowed(found, path) if style == "column" else None,
+                 found.parts_form.get(path, "concat") if segments else "concat")
           for path, (style, unit, reason, segments) in inferred.items()]
 
 
 def _with_heads(entry: _Entry, found: plan_inference.Trace) -> _Entry:
   """A planned column or row layer with the head size and parts the trace saw."""
   if entry.style == "column":
-    unit = plan_inference.head_unit(found, [entry.path], entry.module.out_features)
-    return replace(entry, unit=unit, segments=plan_inference.segments_of(
-        found, entry.path, entry.module.out_features, unit))
+    unit = plan_inference.column_unit(found, entry.path, [entry.path],
+                                      entry.module.out_features)
+    segments = plan_inference.segments_of(found, entry.path, entry.module.out_features, unit)
+    return replace(entry, unit=unit, segments=segments,
+                   regrouped=plan_inference.unfollowed(found, entry.path),
+                   parts_form=found.parts_form.get(entry.path, "concat") if segments
+                   else "concat")
   if entry.style == "row":
     return replace(entry, unit=plan_inference.head_unit(
         found, found.feeds.get(entry.path, ()), entry.module.in_features))
@@ -260,7 +272,11 @@ def explain_plan(model: nnx.Module, mesh: Mesh, plan: dict[str, str] | None = No
       if e.segments:
         split += f" ({len(e.segments)} parts, each split)"
       comm = {"column": "none forward (output stays split); backward: all-reduce of the "
-                        "input gradient, one for all columns reading that input",
+                        "input gradient, one for all columns reading that input"
+                        if e.regrouped is None else
+                        f"none in the layer, but the model reshapes its output to "
+                        f"{e.regrouped} in a way the trace could not follow: its contiguous "
+                        "split may be resharded there (all-gathers, all-to-alls)",
               "row": "all-reduce of the output forward",
               "vocab": "all-reduce of the looked-up rows forward",
               "embed_features": "all-gather of the features forward"}[e.style]

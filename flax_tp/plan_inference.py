@@ -14,7 +14,11 @@ it reaches gives the pairs Megatron would choose:
 - where a column output is first split into parts (``jnp.split``: a fused q/k/v
   projection's ``[q | k | v]``), each part is split over the devices on its own
   (``SegmentedLayout``), so every device holds whole heads of each part and the
-  split needs no communication;
+  split needs no communication; so too where it is reshaped ``[..., F] -> [..., P,
+  H, D]`` and the model then picks from the ``P`` axis (``t[:, :, 0]``, ``unstack``,
+  ``split``, after transposes too); picked from the ``H`` axis instead (a per-head
+  ``[..., H, 3, D]`` layout), each head's ``3 * D`` block stays whole. A reshape of
+  that kind whose picking the trace cannot follow is reported by ``explain_plan``;
 - embeddings are split over their vocabulary;
 - a layer whose params the model also reads outside the layer's own call
   (``h @ self.up.kernel[...]``) stays whole: split, that code would see the
@@ -61,6 +65,17 @@ class Trace:
   # column path -> sizes of the parts its output is split into on the last axis (None:
   # split in two different ways)
   segments: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
+  # column path -> (P, H, D) of a reshape of its output to [..., P, H, D], and which of
+  # P ("parts") or H ("heads") the model picks from (None: not seen, or both)
+  grouped: dict[str, tuple[tuple[int, int, int], str | None]] = field(default_factory=dict)
+  # column path -> how the model takes its parts apart: "concat" (jnp.split) or "stacked"
+  # (a reshape to [..., P, H, D]); the column's standalone output is built to match
+  parts_form: dict[str, str] = field(default_factory=dict)
+  # column path -> the block its own split keeps whole when it is more than a head
+  # (a per-head [..., H, P, D] layout: each head's P * D outputs)
+  block: dict[str, int] = field(default_factory=dict)
+  # values of such a reshape (or its transposes) -> (column path, axis of P, axis of H)
+  _group_axes: dict[Any, tuple[str, int, int]] = field(default_factory=dict)
 
 
 _PARAM = "<param>"  # taint prefix: a layer's param read as a value
@@ -131,6 +146,16 @@ def trace(model: nnx.Module, layer_paths: Sequence[str], inputs: Sequence[Any]) 
   for v in invars[len(owners):]:
     taints[v] = outer
   _propagate(closed.jaxpr, taints, result)
+  for source, ((parts, heads, dim), picked) in result.grouped.items():
+    if picked == "parts":  # [..., P, H, D]: P parts of H heads each
+      sizes = (heads * dim,) * parts
+      known = result.segments.get(source, sizes)
+      result.segments[source] = sizes if known == sizes else None
+      result.head_dim.setdefault(source, dim)
+      result.parts_form.setdefault(source, "stacked")
+    elif picked == "heads":  # [..., H, P, D]: each head's P * D block together
+      result.head_dim.setdefault(source, dim)
+      result.block.setdefault(source, heads * dim)
   for v in closed.jaxpr.outvars:
     for source in _taint(v, taints):
       if source in paths.values():
@@ -176,9 +201,14 @@ def _propagate(jaxpr, taints: dict, result: Trace) -> None:
     sub = _sub_jaxpr(eqn)
     if sub is not None:  # a nested jit, custom_jvp/vjp or call: look inside
       inner = {iv: t for iv, t in zip(sub.invars, ins, strict=True)}
+      axes = result._group_axes
+      axes.update({iv: axes[v] for iv, v in zip(sub.invars, eqn.invars, strict=True)
+                   if not isinstance(v, jcore.Literal) and v in axes})
       _propagate(sub, inner, result)
       for ov, iv in zip(eqn.outvars, sub.outvars, strict=True):
         taints[ov] = _taint(iv, inner)
+        if not isinstance(iv, jcore.Literal) and iv in axes:
+          axes[ov] = axes[iv]
       continue
     union = frozenset().union(*ins) if ins else frozenset()
     result.direct.update(t[len(_PARAM):] for t in union if t.startswith(_PARAM))
@@ -190,6 +220,7 @@ def _propagate(jaxpr, taints: dict, result: Trace) -> None:
         sizes = tuple(int(n) for n in eqn.params["sizes"])
         known = result.segments.get(source, sizes)
         result.segments[source] = sizes if known == sizes else None
+        result.parts_form[source] = "concat"
     if eqn.primitive.name == "reshape" and len(ins[0]) == 1:
       (source,) = ins[0]
       before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
@@ -197,6 +228,50 @@ def _propagate(jaxpr, taints: dict, result: Trace) -> None:
       if (len(after) == len(before) + 1 and after[:-2] == before[:-1]
           and after[-2] * after[-1] == before[-1] and source not in result.head_dim):
         result.head_dim[source] = after[-1]
+      # [..., F] -> [..., P, H, D]: parts of heads, or heads of parts: what the model
+      # picks from next tells (_note_pick)
+      if (len(after) == len(before) + 2 and after[:-3] == before[:-1]
+          and after[-3] * after[-2] * after[-1] == before[-1]):
+        result.grouped.setdefault(source, (tuple(after[-3:]), None))
+        result._group_axes[eqn.outvars[0]] = (source, len(after) - 3, len(after) - 2)
+    _note_pick(eqn, result)
+
+
+def _note_pick(eqn, result: Trace) -> None:
+  """Follows a ``[..., P, H, D]`` reshape of a column output through transposes to the
+  op that picks from it: along the ``P`` axis the output is ``P`` parts of heads, along
+  the ``H`` axis heads of ``P`` parts each (``Trace.grouped``)."""
+  x = eqn.invars[0] if eqn.invars else None
+  if x is None or isinstance(x, jcore.Literal) or x not in result._group_axes:
+    return
+  source, axis_p, axis_h = result._group_axes[x]
+  name, shape = eqn.primitive.name, x.aval.shape
+  if name == "transpose":
+    perm = list(eqn.params["permutation"])
+    result._group_axes[eqn.outvars[0]] = (source, perm.index(axis_p), perm.index(axis_h))
+    return
+  if name in ("split", "unstack"):
+    axes = {eqn.params["axis"] % len(shape)}
+  elif name == "slice":
+    axes = {i for i, (lo, hi, n) in enumerate(zip(eqn.params["start_indices"],
+                                                  eqn.params["limit_indices"], shape,
+                                                  strict=True)) if (lo, hi) != (0, n)}
+  else:
+    return
+  picked = "parts" if axes == {axis_p} else "heads" if axes == {axis_h} else None
+  if picked is None:
+    return
+  sizes, seen = result.grouped[source]
+  result.grouped[source] = (sizes, picked if seen in (None, picked) else "both")
+
+
+def unfollowed(found: Trace, path: str) -> str | None:
+  """``[..., P, H, D]`` when the column output at ``path`` is reshaped so and the trace
+  did not see whether the model picks parts or heads from it; else None."""
+  grouped = found.grouped.get(path)
+  if grouped is None or grouped[1] in ("parts", "heads"):
+    return None
+  return f"[..., {', '.join(map(str, grouped[0]))}]"
 
 
 def infer(entries_by_path: dict[str, nnx.Module], found: Trace) -> dict[str, tuple]:
@@ -219,7 +294,7 @@ def infer(entries_by_path: dict[str, nnx.Module], found: Trace) -> dict[str, tup
     unit = head_unit(found, group)
     names = ", ".join(sorted(group))
     for col in group:
-      col_unit = head_unit(found, group, entries_by_path[col].out_features)
+      col_unit = column_unit(found, col, group, entries_by_path[col].out_features)
       parts = segments_of(found, col, entries_by_path[col].out_features, col_unit)
       plan[col] = ("column", col_unit,
                    f"feeds only {row}" + (f" (heads of {unit})" if unit > 1 else "")
@@ -249,6 +324,15 @@ def head_unit(found: Trace, columns: Any, features: int | None = None) -> int:
   units = {found.head_dim.get(col, 1) for col in columns}
   unit = units.pop() if len(units) == 1 else 1
   return unit if features is None or features % unit == 0 else 1
+
+
+def column_unit(found: Trace, path: str, group: Any, features: int) -> int:
+  """The unit a column layer is split in: the block its own output is grouped in
+  (``Trace.block``), else the head size its group agrees on (``head_unit``)."""
+  block = found.block.get(path)
+  if block and features % block == 0:
+    return block
+  return head_unit(found, group, features)
 
 
 def segments_of(found: Trace, path: str, features: int, unit: int) -> tuple[int, ...] | None:

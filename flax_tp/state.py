@@ -18,13 +18,15 @@ stored (padded) form, sharded over the mesh's model axis, with metadata:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import variablelib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import all_reduce, shard_index
@@ -47,6 +49,14 @@ def partition_names(ndim: int, dim: int | None, axis_name: str,
   return tuple(names)
 
 
+# The metadata keys flax_tp writes on its params; a user's metadata may not set them.
+FLAX_TP_KEYS = ("tp_layout", "tp_dim", "tp_layers", "tp_layer_at", "fsdp_dim")
+# Keys that say where a param lives. The layer decides that: a user's entry is kept
+# where it says what the layer does, and otherwise left out with a warning.
+_PLACEMENT_KEYS = ("out_sharding", "sharding", "sharding_names", "mesh", "sharding_rules",
+                   "optimizer_sharding")
+
+
 def sharded_param(
     init: Initializer,
     key: jax.Array,
@@ -58,6 +68,8 @@ def sharded_param(
     dim: int | None,
     unit: int = 1,
     layout: ShardLayout | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    name: str = "param",
 ) -> nnx.Param:
   """Initialises a parameter exactly as Flax would, then stores it sharded.
 
@@ -65,18 +77,83 @@ def sharded_param(
   are bit-for-bit those of the matching Flax layer whatever the mesh. The full
   tensor is the only one materialised: each device then receives its padded
   shard (``dim``) or a replica (``dim=None``).
+
+  ``metadata`` (a layer's ``kernel_metadata`` etc.) and the metadata of a
+  partitioned initializer (``nnx.with_partitioning(init, spec)``, ``nnx.with_metadata``)
+  are attached to the param, as ``nnx.Param(value, **metadata)`` does, with two
+  exceptions: the placement (``out_sharding``, ``mesh``) is the layer's own, so a
+  placement entry that says otherwise (``sharding``, ``sharding_rules``,
+  ``optimizer_sharding``, another spec or mesh) is left out with a warning naming
+  it; and flax_tp's own keys (``FLAX_TP_KEYS``) are refused.
   """
   full = init(key, shape, dtype)
+  given = {}
+  if isinstance(full, variablelib.VariableMetadata):
+    if (full.on_set_value or full.on_get_value or full.on_create_value or full.on_add_axis
+        or full.on_remove_axis):
+      raise ValueError(f"{name}: initializer hooks (on_set_value, on_add_axis, ...) are not "
+                       "supported on flax_tp params")
+    given, full = dict(full.metadata), full.raw_value
+  given.update(metadata or {})
   if not isinstance(full, jax.core.Tracer):
     # Pad on the host: eager jax slicing and padding compile a program per shard.
     full = np.asarray(full)
   names = partition_names(len(shape), dim, axis_name, mesh.shape[axis_name])
-  metadata: dict[str, Any] = {"out_sharding": names, "mesh": mesh}
+  param_meta: dict[str, Any] = {k: v for k, v in given.items() if k not in _PLACEMENT_KEYS}
+  if clash := sorted(set(param_meta) & set(FLAX_TP_KEYS)):
+    raise ValueError(f"{name}: metadata {clash} is flax_tp's own (the param's layout); "
+                     "choose other names")
+  _check_placement(name, given, names, mesh)
+  param_meta.update(out_sharding=names, mesh=mesh)
   if dim is not None:
     layout = layout or ShardLayout(shape[dim], mesh.shape[axis_name], unit)
-    metadata.update(tp_layout=layout, tp_dim=dim % len(shape))
+    param_meta.update(tp_layout=layout, tp_dim=dim % len(shape))
     full = layout.pad(full, dim)
-  return nnx.Param(place(full, NamedSharding(mesh, P(*names))), **metadata)
+  return nnx.Param(place(full, NamedSharding(mesh, P(*names))), **param_meta)
+
+
+# What nnx itself keeps in a Variable's metadata (not the user's).
+_NNX_KEYS = ("hijax", "ref", "eager_sharding", "on_get_value", "on_set_value",
+             "on_create_value", "on_add_axis", "on_remove_axis")
+
+
+def user_metadata(var: nnx.Variable) -> dict[str, Any]:
+  """A param's metadata less nnx's own, its placement and flax_tp's keys: what a
+  parallel layer that replaces the param's layer carries over (``parallelize``)."""
+  skip = set(_NNX_KEYS) | set(_PLACEMENT_KEYS) | set(FLAX_TP_KEYS)
+  return {k: v for k, v in var.get_metadata().items() if k not in skip}
+
+
+def _check_placement(name: str, given: Mapping[str, Any], names: tuple, mesh: Mesh) -> None:
+  """Warns about each placement entry of ``given`` that differs from the layer's own
+  (spec ``names`` on ``mesh``); an axis of one device counts as no axis on both sides."""
+  def same_spec(spec: Any) -> bool:
+    try:
+      theirs = tuple(P(*spec))
+    except TypeError:
+      return False
+    if len(theirs) != len(names):
+      return False
+    def norm(n):
+      axes = (n,) if isinstance(n, str) else tuple(n or ())
+      return tuple(a for a in axes if mesh.shape.get(a, 0) != 1) or None
+    return all(norm(a) == norm(b) for a, b in zip(theirs, names, strict=True))
+
+  ignored = []
+  for key in _PLACEMENT_KEYS:
+    value = given.get(key)
+    if value is None:
+      continue
+    agrees = (value == mesh if key == "mesh"
+              else same_spec(value) if key in ("out_sharding", "sharding", "sharding_names",
+                                               "optimizer_sharding")
+              else False)
+    if not agrees:
+      ignored.append(f"{key}={value!r}")
+  if ignored:
+    warnings.warn(
+        f"{name}: flax_tp places this param itself ({P(*names)} on its layer's mesh, padded "
+        f"where the axis does not divide it); {', '.join(ignored)} is not used", stacklevel=4)
 
 
 def place(value: jax.Array, sharding: NamedSharding) -> jax.Array:

@@ -48,7 +48,15 @@ class Block(nnx.Module):
   def __call__(self, x):
     b, s, d = x.shape
     h = self.norm1(x)
-    if self.fused:
+    if self.fused == "reshape":  # [..., 3, heads, head_dim], picked from the 3
+      t = self.qkv(h).reshape(b, s, 3, self.heads, -1)
+      q, k, v = t[:, :, 0], t[:, :, 1], t[:, :, 2]
+    elif self.fused == "per_head":  # [..., heads, 3, head_dim]: each head's q, k, v together
+      q, k, v = jnp.unstack(self.qkv(h).reshape(b, s, self.heads, 3, -1), axis=3)
+    elif self.fused == "einsum":  # the parts used without being picked apart first
+      t = self.qkv(h).reshape(b, s, 3, self.heads, -1)
+      q, k, v = (jnp.einsum("bspht,p->bsht", t, jnp.eye(3)[i]) for i in range(3))
+    elif self.fused:
       q, k, v = jnp.split(self.qkv(h), 3, axis=-1)
     else:
       q, k, v = self.q(h), self.k(h), self.v(h)
@@ -221,6 +229,48 @@ def test_a_fused_qkv_is_split_in_whole_heads_of_each_part(meshes, tmp_path):
   assert_state_close(other, ref, rtol=0, atol=0)
   plain = jnp.asarray(np.asarray(x))  # off the 2x4 mesh
   np.testing.assert_allclose(apply(other, plain), apply(ref, plain), **F32)
+
+
+@pytest.mark.parametrize("form", ["reshape", "per_head"])
+def test_a_fused_qkv_read_through_a_reshape_is_split_in_whole_heads(meshes, form):
+  """``qkv(x).reshape(b, s, 3, h, hd)`` picked from the 3 is a [q | k | v] (each part
+  split on its own, as the jnp.split form); ``reshape(b, s, h, 3, hd)`` keeps each head's
+  q, k and v together (whole blocks of 3 * hd). Either way the compiled step sends over
+  "model" exactly what separate q/k/v layers send (a contiguous split added an
+  all-gather), and the outputs and gradients are the model's."""
+  from flax_tp import SegmentedLayout
+  mesh = meshes["2x4"]
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 6, 16)),
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  separate = flax_tp.parallelize(Block(16, 8, fused=False, rngs=nnx.Rngs(0)), mesh, inputs=(x,))
+  model = flax_tp.parallelize(Block(16, 8, fused=form, rngs=nnx.Rngs(0)), mesh, inputs=(x,))
+  expected = (SegmentedLayout(48, 4, 2, (16, 16, 16)) if form == "reshape"
+              else flax_tp.ShardLayout(48, 4, 6))
+  assert model.qkv.layout == expected and model.o.layout == flax_tp.ShardLayout(16, 4, 2)
+  over_model = lambda m: Counter({k: n for k, n in arrays_sent(collectives(
+      grad_of.lower(m, x).compile().as_text(), mesh)).items() if k[1] == ("model",)})
+  assert over_model(model) == over_model(separate)
+  ref = Block(16, 8, fused=form, rngs=nnx.Rngs(0))
+  value, grads = grad_of(model, x)
+  ref_value, ref_grads = grad_of(ref, x)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  assert_state_close(grads, ref_grads, rtol=1e-5, atol=1e-5)
+
+
+def test_explain_plan_says_when_it_cannot_follow_a_regrouped_output(meshes):
+  """A fused output reshaped to [..., 3, heads, head_dim] and used without being picked
+  apart (an einsum over the 3): the split stays contiguous, and explain_plan says it may
+  be resharded there instead of promising no communication; the results stay exact."""
+  mesh = meshes["2x4"]
+  x = jax.random.normal(jax.random.key(1), (8, 6, 16))
+  table = flax_tp.explain_plan(Block(16, 8, fused="einsum", rngs=nnx.Rngs(0)), mesh,
+                               inputs=(x,))
+  (line,) = [row for row in table.splitlines() if row.startswith("qkv ")]
+  assert "reshapes its output to [..., 3, 8, 2] in a way the trace could not follow" in line
+  model = flax_tp.parallelize(Block(16, 8, fused="einsum", rngs=nnx.Rngs(0)), mesh,
+                              inputs=(x,))
+  np.testing.assert_allclose(apply(model, x), apply(Block(16, 8, fused="einsum",
+                                                          rngs=nnx.Rngs(0)), x), **F32)
 
 
 def test_plan_errors_name_the_pattern_and_the_module(meshes):
