@@ -263,24 +263,38 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 # What flax_tp writes into a step folder; anything else there is the user's.
-_OWN_FILE = re.compile(r"(meta\.json|index\.\d+\.json|shards\.\d+\.bin)")
+_OWN_FILE = re.compile(r"(meta\.json|index\.[0-9]+\.json|shards\.[0-9]+\.bin)")
 # A flax_tp 0.1.0 (orbax) step folder: its items and orbax's metadata files.
 _LEGACY_ENTRY = re.compile(r"(state|meta|commit_success\.txt|_[A-Za-z_.]+)")
-_OWN_FOLDER = re.compile(r"(\d+|\.tmp-\d+|\.old-\d+)")
+_OWN_FOLDER = re.compile(r"([0-9]+|\.tmp-[0-9]+|\.old-[0-9]+)")
+# A step's folder name: ASCII digits without leading zeros, as save writes it.
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
+
+
+def check_step(step: Any) -> int:
+  """``step`` as the int that names its folder; ``ValueError`` naming anything that is
+  not a non-negative integer (numpy integers are; ``True``, ``5.0``, ``"08"`` are not)."""
+  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+    raise ValueError(f"checkpoint step must be an integer >= 0, got {step!r} "
+                     f"({type(step).__name__})")
+  return int(step)
 
 
 def _not_ours(folder: Path) -> Path | None:
   """The first thing in step folder ``folder`` that flax_tp did not write (``folder``
   itself when it is a numbered folder that is not a checkpoint); None when all is ours."""
+  if folder.is_symlink():
+    return folder  # flax_tp writes no links, and never deletes through one
   if not folder.is_dir():
     return folder if folder.exists() else None
   legacy = _is_legacy(folder)
-  if folder.name.isdigit() and not legacy and not (folder / "meta.json").is_file():
+  if folder.name.isascii() and folder.name.isdigit() and not legacy and not (
+      folder / "meta.json").is_file():
     return folder  # a user's folder that happens to be named like a step
   for entry in sorted(folder.iterdir()):
     if legacy and _LEGACY_ENTRY.fullmatch(entry.name):
       continue
-    if not (_OWN_FILE.fullmatch(entry.name) and entry.is_file()):
+    if not (_OWN_FILE.fullmatch(entry.name) and entry.is_file() and not entry.is_symlink()):
       return entry
   return None
 
@@ -317,7 +331,8 @@ class Checkpointer:
     if not self.directory.is_dir():
       return []
     return sorted(int(p.name) for p in self.directory.iterdir()
-                  if p.name.isdigit() and ((p / "meta.json").is_file() or _is_legacy(p)))
+                  if _STEP_NAME.fullmatch(p.name) and not p.is_symlink()
+                  and ((p / "meta.json").is_file() or _is_legacy(p)))
 
   def not_ours(self) -> list[Path]:
     """What sits where this directory's checkpoints go but was not written by flax_tp:
@@ -340,7 +355,7 @@ class Checkpointer:
     if not self.directory.is_dir():
       return
     for path in self.directory.iterdir():
-      if path.is_dir() and _OWN_FOLDER.fullmatch(path.name):
+      if path.is_dir() and not path.is_symlink() and _OWN_FOLDER.fullmatch(path.name):
         shutil.rmtree(path)
 
   def latest_step(self) -> int | None:
@@ -348,7 +363,7 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def _step(self, step: int | None) -> int:
-    step = self.latest_step() if step is None else step
+    step = self.latest_step() if step is None else check_step(step)
     if step is None or step not in self.steps():
       raise CheckpointError(f"no checkpoint{'' if step is None else f' of step {step}'} "
                             f"found in {str(self.directory)!r}")
@@ -380,7 +395,10 @@ class Checkpointer:
   # -- saving ------------------------------------------------------------------
 
   def save(self, step: int, trees: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Writes ``trees`` and ``meta`` as checkpoint ``step`` (called by every process)."""
+    """Writes ``trees`` and ``meta`` as checkpoint ``step`` (called by every process).
+
+    ``step``: an integer >= 0 (``ValueError`` naming anything else)."""
+    step = check_step(step)
     self.wait()
     json.dumps(meta)  # fail here, not in the background, on metadata JSON cannot hold
     for name in (str(step), f".tmp-{step}", f".old-{step}"):
@@ -447,9 +465,19 @@ class Checkpointer:
         tmp.rename(final)
       _fsync(self.directory)
       if self.max_to_keep:
-        for old_step in self.steps()[:-self.max_to_keep]:
-          _rotate_out(self.directory / str(old_step))
+        self._rotate(step)
     _barrier(f"flax_tp_checkpoint_{step}_committed")
+
+  def _rotate(self, saved: int) -> None:
+    """Deletes the steps before the newest ``max_to_keep``. Step ``saved`` is written by
+    now, so a step that cannot be deleted is a warning naming it, not a failed save."""
+    for old_step in self.steps()[:-self.max_to_keep]:
+      try:
+        _rotate_out(self.directory / str(old_step))
+      except OSError as err:
+        warnings.warn(f"checkpoint step {saved} saved in {str(self.directory)!r}, but older "
+                      f"step {old_step} could not be deleted: {err.strerror or err}; it is "
+                      "kept", stacklevel=2)
 
   # -- restoring ---------------------------------------------------------------
 
@@ -494,6 +522,8 @@ class Checkpointer:
 
 def describe_not_ours(path: Path) -> str:
   """``'DIR/12' is not a flax_tp checkpoint ...`` / ``'DIR/2/x' was not written by flax_tp``."""
+  if path.is_symlink():
+    return f"{str(path)!r} is a symbolic link, which flax_tp did not write"
   what = ("is not a flax_tp checkpoint (no meta.json)" if path.is_dir() and path.name.isdigit()
           else "was not written by flax_tp")
   return f"{str(path)!r} {what}"

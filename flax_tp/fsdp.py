@@ -27,8 +27,10 @@ forward pass of an unrolled program (as it does all recomputation there), so the
 gathered params stay for backward; inside a scan they are gathered again.
 
 Checkpoints hold logical values, so they move between runs with and without FSDP.
-The standalone layers (generation, export) read params replicated over ``"data"``:
-``unshard_over_data`` puts a model back that way.
+An FSDP model called outside the step (``model(ids)``, ``nnx.jit``) gathers as the step
+does (the transformer's own map calls ``gather_for_step``); generation takes the params
+once, replicated over ``"data"`` (``whole_over_data``), for all its tokens;
+``unshard_over_data`` puts a model back that way in place (the standalone layers, export).
 """
 
 from __future__ import annotations
@@ -109,6 +111,35 @@ def shard_over_data(module: nnx.Module) -> list[str]:
   return kept
 
 
+def _names_whole_over_data(meta: dict) -> tuple:
+  """A split param's ``out_sharding`` with its ``"data"`` split taken out."""
+  names = list(meta["out_sharding"])
+  dim = meta[FSDP_DIM]
+  names[dim] = MODEL_AXIS if names[dim] == (MODEL_AXIS, DATA_AXIS) else None
+  return tuple(names)
+
+
+def whole_over_data(state: nnx.State, *, place: bool = True) -> nnx.State:
+  """A copy of ``state`` (a module's state, or its params) whose params split over
+  ``"data"`` are replicated over it again (their layout without FSDP: what the
+  standalone layers and generation read); the others are the same objects. ``place``:
+  all-gather the values (``False``: only the metadata, e.g. for partition specs).
+  ``state`` itself is unchanged."""
+  def one(var: nnx.Variable) -> nnx.Variable:
+    if not isinstance(var, nnx.Variable) or FSDP_DIM not in var.get_metadata():
+      return var
+    meta = var.get_metadata()
+    names = _names_whole_over_data(meta)
+    value = var[...]
+    if place:
+      value = jax.device_put(value, NamedSharding(meta["mesh"], P(*names)))
+    new = var.replace(value, out_sharding=names)
+    new.del_metadata(FSDP_DIM)
+    return new
+
+  return jax.tree.map(one, state, is_leaf=_is_var)
+
+
 def unshard_over_data(module: nnx.Module) -> nnx.Module:
   """Puts ``module``'s params back to replicated over ``"data"`` (the layout the
   standalone layers read), in place; returns ``module``."""
@@ -116,11 +147,9 @@ def unshard_over_data(module: nnx.Module) -> nnx.Module:
     meta = var.get_metadata()
     if FSDP_DIM not in meta:
       continue
-    names = list(meta["out_sharding"])
-    names[meta[FSDP_DIM]] = MODEL_AXIS if names[meta[FSDP_DIM]] == (MODEL_AXIS, DATA_AXIS) \
-        else None
+    names = _names_whole_over_data(meta)
     var.set_value(jax.device_put(var[...], NamedSharding(meta["mesh"], P(*names))))
-    var.set_metadata(out_sharding=tuple(names))
+    var.set_metadata(out_sharding=names)
     var.del_metadata(FSDP_DIM)
   return module
 

@@ -1,8 +1,10 @@
-"""The ``("data", "model")`` device mesh that every flax_tp layer lives on."""
+"""The ``("data", "model")`` device mesh that every flax_tp layer lives on, and the
+thread pool that simulated CPU devices need."""
 
 from __future__ import annotations
 
 import copyreg
+import os
 import re
 from collections.abc import Sequence
 
@@ -35,6 +37,58 @@ def parse_mesh_spec(spec: str | Sequence[int]) -> tuple[int, int]:
   return shape
 
 
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=([0-9]+)(?![^\s])")
+
+
+def cpu_thread_pool_size(devices: int) -> int:
+  """Threads for XLA:CPU's pool when it simulates ``devices`` devices: twice as many.
+
+  XLA runs every simulated device's program on one pool of ``max(cores, devices)``
+  threads (``NPROC`` overrides the core count), and a collective holds its thread
+  until all devices arrive. Independent collectives of one program can run at once, so
+  with as many threads as devices, one device blocked in a second collective can leave
+  the others no thread to reach the first: a 1x8 run hung that way (7 of 8 devices in
+  an all-reduce for 10 minutes, then XLA aborted), and so did ``generate`` on 8
+  devices after 700-1100 tokens. A spare thread per device leaves room; waiting
+  threads use no CPU.
+  """
+  return max(os.cpu_count() or 1, 2 * devices)
+
+
+def provide_cpu_threads() -> None:
+  """Sets ``NPROC`` to ``cpu_thread_pool_size`` of the simulated devices that
+  ``XLA_FLAGS`` asks for, when the user has not set it and JAX has not started its
+  backends yet (XLA reads it then). Called when flax_tp is imported, so a program that
+  imports flax_tp before computing anything gets the spare threads by itself."""
+  match = _DEVICE_COUNT_FLAG.search(os.environ.get("XLA_FLAGS", ""))
+  if match is None or int(match[1]) < 2 or "NPROC" in os.environ:
+    return
+  try:
+    from jax._src import xla_bridge  # no public way to ask whether the backends started
+    started = xla_bridge.backends_are_initialized()
+  except (ImportError, AttributeError):
+    started = True
+  if not started:
+    os.environ["NPROC"] = str(cpu_thread_pool_size(int(match[1])))
+
+
+def _check_cpu_threads(devices: Sequence[jax.Device]) -> None:
+  """Refuses simulated CPU devices that share XLA's default pool (``NPROC`` unset, fewer
+  cores than ``cpu_thread_pool_size``): their collectives can deadlock, and XLA then
+  aborts the process minutes later. A user's own ``NPROC`` is respected."""
+  local = [d for d in devices if d.process_index == jax.process_index()]
+  if len(local) < 2 or local[0].platform != "cpu" or "NPROC" in os.environ:
+    return
+  wanted = cpu_thread_pool_size(len(local))
+  if (os.cpu_count() or 1) < wanted:
+    raise ValueError(
+        f"{len(local)} simulated CPU devices share XLA's default thread pool of "
+        f"{os.cpu_count()} threads: a collective holds its thread while it waits, and "
+        f"theirs can deadlock (XLA aborts the process). Set NPROC={wanted} in the "
+        "environment before JAX starts, or import flax_tp before running anything with "
+        "JAX, which sets it")
+
+
 def make_mesh(spec: str | Sequence[int], *,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ``jax.sharding.Mesh`` with axes ``("data", "model")`` of shape ``spec``.
@@ -65,6 +119,7 @@ def make_mesh(spec: str | Sequence[int], *,
   # whose sharding differs from the specs a type error.
   # Row-major over jax.devices(), which lists each process's devices together, so
   # a "model" row stays inside one process whenever M divides its device count.
+  _check_cpu_threads(available[:needed])
   grid = np.array(available[:needed], dtype=object).reshape(data, model)
   return Mesh(grid, (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
 
@@ -91,3 +146,4 @@ def _reduce_mesh(mesh: Mesh):
 
 
 copyreg.pickle(Mesh, _reduce_mesh)
+provide_cpu_threads()

@@ -38,6 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flax_tp
+from flax_tp.fsdp import whole_over_data
 from flax_tp.sampling import vocab_parallel_sample
 from models.config import TransformerConfig
 from models.transformer import Transformer, _data_rows
@@ -122,7 +123,9 @@ class Decoder:
       plain = dataclasses.replace(model.cfg, sequence_parallel=False)
       self.graphdef = nnx.graphdef(nnx.eval_shape(
           lambda: Transformer(plain, mesh=model.mesh, rngs=nnx.Rngs(0))))
-    self.specs = nnx.get_partition_spec(state)
+    # An FSDP model's params are taken whole over "data" once per generation
+    # (``_steps``), not gathered again for every token.
+    self.specs = nnx.get_partition_spec(whole_over_data(state, place=False))
     self.cfg, self.mesh = model.cfg, model.mesh
     self.kv_heads = model.kv_cache_heads()
     self.data_size = self.mesh.shape[flax_tp.DATA_AXIS]
@@ -347,7 +350,7 @@ def _steps(model: Transformer, prompt_ids: Any, *, max_new_tokens: int, sampling
   padded[batch:] = padded[0]
   row_lengths = np.concatenate([lengths, np.repeat(lengths[:1], rows - batch)])
   put = lambda x: jax.device_put(x, dec.row_sharding)
-  state = nnx.state(model)
+  state = whole_over_data(nnx.state(model))  # FSDP: gathered once, for every token
   key = jax.random.key(seed)
   values = sampling.values()
   lengths_dev = put(row_lengths)

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import flax_tp
-from flax_tp.fsdp import gather_block, shard_over_data
+from flax_tp.fsdp import gather_block, gather_for_step, shard_over_data
 from flax_tp.state import place_on_mesh
 from models import ops
 from models.config import TransformerConfig
@@ -413,8 +413,11 @@ class Transformer(nnx.Module):
     if tokens_bs.shape[0] % data:
       raise ValueError(f"batch {tokens_bs.shape[0]} is not divisible by the {data}-way "
                        f"data axis of the mesh")
+    # The step's gathering: FSDP params (cfg.fsdp) are gathered over "data" as the step
+    # gathers them (the blocks' inside each block); nothing changes without FSDP.
     logits = jax.shard_map(
-        lambda s, t, k: nnx.merge(graphdef, s)(t, dropout_key=k), mesh=self.mesh,
+        lambda s, t, k: nnx.merge(graphdef, gather_for_step(s, per_block=("blocks",)))(
+            t, dropout_key=k), mesh=self.mesh,
         in_specs=(nnx.get_partition_spec(state), P(flax_tp.DATA_AXIS), P()),
         out_specs=P(flax_tp.DATA_AXIS, None, flax_tp.MODEL_AXIS),
     )(state, tokens_bs, dropout_key)

@@ -10,7 +10,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_cpu_collective_call_terminate_timeout_seconds=600").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A spare XLA:CPU pool thread per simulated device, as train/run.py gives its runs (see
-# train.run.cpu_thread_pool_size: collectives hold their threads while they wait).
+# flax_tp.mesh.cpu_thread_pool_size: collectives hold their threads while they wait).
 os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 2 * 8)))
 # Token caches of the tests' corpora go to a folder of this run, not the user's.
 os.environ.setdefault("FLAX_TP_CACHE", tempfile.mkdtemp(prefix="flax_tp_test_cache_"))

@@ -129,14 +129,20 @@ def test_bad_values_anywhere_exit_2_with_one_line(capsys, entry, argv, message):
   assert err.count("\n") == 1 and message in err, err
 
 
-@pytest.mark.parametrize("count", ["banana", "-3", "0"])
-def test_an_impossible_xla_device_count_is_one_line(monkeypatch, capsys, count):
-  """XLA_FLAGS is read before JAX starts; XLA itself would fail later with a traceback."""
+@pytest.mark.parametrize("count,why", [
+    ("banana", "expected an integer >= 1"), ("-3", "expected an integer >= 1"),
+    ("0", "expected an integer >= 1"), ("\u00b2", "expected an integer >= 1"),
+    ("200000", "at most 1024 devices per process can be simulated on a CPU")])
+def test_an_impossible_xla_device_count_is_one_line(monkeypatch, capsys, count, why):
+  """XLA_FLAGS is read before JAX starts; XLA itself would fail later with a traceback
+  (a Unicode digit: int() refuses what str.isdigit took), or, for 200000 devices, take
+  minutes and ~20 GB while ignoring Ctrl-C before it was killed for memory."""
   monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count={count}")
   assert main(["--mesh", "1x2"]) == 2
   err = capsys.readouterr().err
+  shown = count if count == "200000" else repr(count)
   assert err == (f"train/run.py: error: XLA_FLAGS sets --xla_force_host_platform_device_count="
-                 f"{count}; expected an integer >= 1\n")
+                 f"{shown}; {why}\n")
   with pytest.raises(SystemExit) as stop:
     _bench("plan")(["--repeats", "1", "--meshes", "1x2"])
   assert stop.value.code == 2 and "bench.plan: error: XLA_FLAGS sets" in capsys.readouterr().err
@@ -157,7 +163,7 @@ def test_memory_probes_refuse_bad_flags_in_one_line(module, argv, message):
 
 def test_simulated_devices_get_a_spare_thread_each(monkeypatch):
   """XLA:CPU's pool gets twice as many threads as simulated devices (a collective holds
-  its thread while it waits; see train.run.cpu_thread_pool_size), the device count the
+  its thread while it waits; see flax_tp.mesh.cpu_thread_pool_size), the device count the
   user chose counts, and a user's NPROC stays."""
   from train.run import provide_cpu_devices
   monkeypatch.delenv("NPROC", raising=False)

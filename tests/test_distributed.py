@@ -139,33 +139,42 @@ def test_killing_one_process_stops_the_other(tmp_path, corpus):
   assert "lost contact with another process" in err or "another task died" in err, err[-2000:]
 
 
-def test_killing_worker_0_of_the_launcher_is_one_line_and_status_1(tmp_path, corpus):
-  """The survivors' gRPC logs go to files; the launcher names the process that was killed."""
+@pytest.mark.parametrize("worker,signum,message", [
+    (0, signal.SIGKILL, "process 0 was killed by SIGKILL; the run stopped"),
+    (1, signal.SIGSTOP, "process 1 was stopped (SIGSTOP, or a debugger) and stopped answering; "
+                        "the others lost contact with it and the run stopped")])
+def test_a_killed_or_stopped_worker_of_the_launcher_is_named_in_one_line(tmp_path, corpus,
+                                                                         worker, signum,
+                                                                         message):
+  """The survivors' gRPC logs go to files; the launcher names the process that was killed,
+  or the one that stopped answering (a kill -STOP made process 0 abort on the lost
+  heartbeat, and the launcher blamed process 0's SIGABRT)."""
   port = free_port()
   metrics = tmp_path / "m.jsonl"
   launcher = subprocess.Popen(
       [sys.executable, str(ROOT / "train" / "launch.py"), "--processes", "2", "--port",
-       str(port), "--", "--mesh", "2x4", "--steps", "100000", *FLAGS, "--data", corpus,
-       "--metrics-file", str(metrics), "--heartbeat-timeout", "10"],
+       str(port), "--grace", "5", "--", "--mesh", "2x4", "--steps", "100000", *FLAGS,
+       "--data", corpus, "--metrics-file", str(metrics), "--heartbeat-timeout", "5"],
       env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
     _wait_for_steps(launcher, metrics, 3)
-    wanted = {b"FLAX_TP_PROCESS_ID=0", f"FLAX_TP_COORDINATOR=127.0.0.1:{port}".encode()}
-    (worker0,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                  and _environ(p) >= wanted]
-    os.kill(worker0, signal.SIGKILL)
-    code = launcher.wait(timeout=90)
+    wanted = {f"FLAX_TP_PROCESS_ID={worker}".encode(),
+              f"FLAX_TP_COORDINATOR=127.0.0.1:{port}".encode()}
+    (pid,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+              and _environ(p) >= wanted]
+    os.kill(pid, signum)
+    code = launcher.wait(timeout=120)
     err = launcher.stderr.read()
   finally:
     if launcher.poll() is None:
       launcher.kill()
   assert code == 1, err
-  assert err.count("\n") == 1 and err.startswith(
-      "train/launch.py: error: process 0 was killed by SIGKILL; the run stopped"), err
+  assert err.count("\n") == 1 and err.startswith(f"train/launch.py: error: {message}"), err
   logs = Path(err.split("native logs in ")[1].strip()) if "native logs in" in err else None
   if logs is not None:
     assert logs.is_dir()
     shutil.rmtree(logs)
+  assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
 def _environ(proc: Path) -> set[bytes]:

@@ -293,7 +293,7 @@ def test_init_from_fine_tunes_then_resumes_on_another_mesh(tmp_path, hf_folder, 
   assert main([*flags, "--mesh", "2x4", "--checkpoint-dir", str(ck), "--checkpoint-every",
                "4", "--metrics-file", str(metrics)]) == 0
   out = capsys.readouterr().out
-  assert f"model: from {folder}" in out and "tokens (hf-" in out
+  assert f"model: from {str(folder)!r}" in out and "tokens (hf-" in out
   losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
   assert len(losses) == 8 and losses[-1] < losses[0] - 0.5  # it learns
   moved = tmp_path / "moved"

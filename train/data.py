@@ -22,11 +22,12 @@ import hashlib
 import json
 import os
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from train.tempfiles import remove_stale, temp_beside
 
 EVAL_FRACTION = 0.05
 SNIFF_BYTES = 4096
@@ -117,7 +118,8 @@ def tokenize_to_file(files: list[Path], out, tokenizer, progress=None) -> dict[s
   """Streams the text files' tokens into ``out``, files separated by blank lines.
 
   Files are read in chunks; a chunk is cut after its last newline (the rest
-  goes with the next), so a token never straddles two chunks. Returns what was
+  goes with the next; see ``_chunk_cut`` for longer lines), so a token never
+  straddles two chunks. Returns what was
   read: file and token counts, the files skipped as binary or unreadable, and
   each token's count (for the unigram entropy without a second pass).
   """
@@ -143,7 +145,7 @@ def tokenize_to_file(files: list[Path], out, tokenizer, progress=None) -> dict[s
           carry = b""
           while chunk:
             data = carry + chunk
-            cut = data.rfind(b"\n") + 1 or len(data)
+            cut = _chunk_cut(data)
             emit(data[:cut])
             carry = data[cut:]
             chunk = f.read(CHUNK_BYTES)
@@ -155,6 +157,26 @@ def tokenize_to_file(files: list[Path], out, tokenizer, progress=None) -> dict[s
       progress(file)
   report["token_counts"] = counts.tolist()
   return report
+
+
+def _chunk_cut(data: bytes) -> int:
+  """Where to cut a chunk whose rest follows with the next one: after its last newline;
+  in a line longer than a chunk, before its last space or tab (a byte-level BPE joins a
+  space to the word after it, so the tokens are those of the uncut text); else at the
+  last UTF-8 character boundary (never inside a character, which the tokenizer would
+  read as U+FFFD)."""
+  cut = data.rfind(b"\n") + 1
+  if cut:
+    return cut
+  cut = max(data.rfind(b" "), data.rfind(b"\t"))
+  if cut > 0:
+    return cut
+  start = len(data) - 1  # the last character's first byte: back over continuation bytes
+  while start > 0 and len(data) - start < 4 and data[start] & 0xC0 == 0x80:
+    start -= 1
+  lead = data[start]
+  length = 1 if lead < 0xC0 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+  return start if len(data) - start < length else len(data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +254,7 @@ def _skipped(report: dict[str, Any]) -> str:
   for kind in ("binary", "unreadable"):
     names = report[kind]
     if names:
-      parts.append(f"{len(names)} {kind} file(s) (e.g. {names[0]})")
+      parts.append(f"{len(names)} {kind} file(s) (e.g. {names[0]!r})")
   return ", ".join(parts)
 
 
@@ -256,26 +278,25 @@ def _cached_tokens(files: list[Path], key: str, tokenizer, cache: Path,
   except (OSError, ValueError, KeyError, AttributeError, TypeError):
     pass
   cache.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tokens-", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as out:
-      if show_progress and _terminal() is not None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-        with Progress(TextColumn("[bold]tokenizing"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("files"), transient=True, console=_terminal()) as bar:
-          task = bar.add_task("tokenize", total=len(files))
-          report = tokenize_to_file(files, out, tokenizer, lambda _: bar.advance(task))
-      else:
-        report = tokenize_to_file(files, out, tokenizer)
-      out.flush()
-      os.fsync(out.fileno())
+  # Token files a killed run was writing (``kill -9``; every other exit removes its own);
+  # before this naming, ``.tokens-*.tmp``.
+  remove_stale(cache, legacy_glob=".tokens-*.tmp")
+  with temp_beside(tokens_path) as tmp, open(tmp, "xb") as out:
+    if show_progress and _terminal() is not None:
+      from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+      with Progress(TextColumn("[bold]tokenizing"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("files"), transient=True, console=_terminal()) as bar:
+        task = bar.add_task("tokenize", total=len(files))
+        report = tokenize_to_file(files, out, tokenizer, lambda _: bar.advance(task))
+    else:
+      report = tokenize_to_file(files, out, tokenizer)
+    out.flush()
+    os.fsync(out.fileno())
+    out.close()
     report["fingerprint"] = key
     os.replace(tmp, tokens_path)  # the token file first: a report always has its tokens
-    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tokens-", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
+  with temp_beside(report_path) as tmp:
+    with open(tmp, "x", encoding="utf-8") as f:
       json.dump(report, f)
     os.replace(tmp, report_path)
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
   return tokens_path, report

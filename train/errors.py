@@ -85,14 +85,23 @@ def unwritable_file(path) -> str | None:
   return None
 
 
+# XLA's CPU client takes minutes and tens of GB (ignoring Ctrl-C) on absurd counts.
+MAX_SIMULATED_DEVICES = 1024
+
+
 def xla_device_count_problem(flags: str) -> str | None:
   """Why ``XLA_FLAGS`` asks for an impossible number of simulated CPU devices
-  (``banana``, ``-3``, ``0``), or None; XLA itself fails later with a traceback."""
+  (``banana``, ``-3``, ``0``, ``²``, more than ``MAX_SIMULATED_DEVICES``), or None; XLA
+  itself fails later with a traceback, or runs out of memory."""
   import re
   for value in re.findall(r"--xla_force_host_platform_device_count=(\S*)", flags):
-    if not (value.isdigit() and int(value) >= 1):
-      return (f"XLA_FLAGS sets --xla_force_host_platform_device_count={value}; expected an "
+    # [0-9] and not str.isdigit, which takes '²' (and int() then refuses it).
+    if not (re.fullmatch(r"[0-9]+", value) and int(value) >= 1):
+      return (f"XLA_FLAGS sets --xla_force_host_platform_device_count={value!r}; expected an "
               "integer >= 1")
+    if int(value) > MAX_SIMULATED_DEVICES:
+      return (f"XLA_FLAGS sets --xla_force_host_platform_device_count={value}; at most "
+              f"{MAX_SIMULATED_DEVICES} devices per process can be simulated on a CPU")
   return None
 
 
@@ -124,16 +133,21 @@ def say(line: str) -> None:
 
 
 def exit_on_interrupt(prog: str) -> None:
-  """From now until a run installs its own handler, Ctrl-C ends the process at once
-  with one line and status 130.
+  """From now until a run installs its own handler, Ctrl-C (or SIGTERM) ends the
+  process at once with one line and status 130 (143).
 
   For the start-up of a script: there is nothing to save yet, and Python's
   ``KeyboardInterrupt`` would print a traceback from wherever an import or JAX's own
-  start-up happened to be (or, a second Ctrl-C, from its shutdown)."""
+  start-up happened to be (or, a second Ctrl-C, from its shutdown). ``os._exit`` runs
+  no ``finally``: the temporary files being written (a token cache) are removed first
+  (``train.tempfiles``)."""
   import os
   import signal
 
+  from train.tempfiles import remove_registered
+
   def handler(signum, _frame):
+    remove_registered()
     try:
       sys.stdout.flush()
     except Exception:  # a closed or broken stdout must not stop the exit
@@ -142,3 +156,4 @@ def exit_on_interrupt(prog: str) -> None:
     os._exit(128 + signum)
 
   signal.signal(signal.SIGINT, handler)
+  signal.signal(signal.SIGTERM, handler)

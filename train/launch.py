@@ -107,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     children.append(child)
 
   failed_first: int | None = None
+  frozen: list[int] = []  # children found stopped (SIGSTOP, a debugger) when one failed
   while any(c.poll() is None for c in children):
     failed = [i for i, c in enumerate(children) if c.returncode not in (None, 0)]
     if failed and not interrupted:
       failed_first = failed[0]
+      frozen = [i for i, c in enumerate(children) if c.poll() is None and _is_stopped(c.pid)]
       stopped.update(i for i, c in enumerate(children) if c.poll() is None)
       _stop(children, args.grace)
       break
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
   if not any(codes):
     shutil.rmtree(logs, ignore_errors=True)
     return 0
-  line, status = _failure(codes, held, stopped, failed_first)
+  line, status = _failure(codes, held, stopped, failed_first, frozen)
   native = sorted(p for p in logs.glob("*.log") if p.stat().st_size)
   where = f"; native logs in {logs}" if native else ""
   if not native:
@@ -137,12 +139,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _failure(codes: list[int], held: list[list[str]], stopped: set[int],
-             first: int | None) -> tuple[str, int]:
+             first: int | None, frozen: list[int] = ()) -> tuple[str, int]:
   """The one line and exit status that explain a failed run.
 
-  A process killed by a signal nobody in the run sent (an OOM killer, ``kill -9``) is
-  the cause, whatever the others said after losing it: status 1. Otherwise the first
-  process that failed speaks, once, with its own status (2: bad input, 1: failure)."""
+  A process found stopped when another failed (``kill -STOP``, a debugger) is the cause:
+  the others lost its heartbeat and gave up (process 0, which hosts the coordination
+  service, aborts with SIGABRT then): status 1. So is a process killed by a signal nobody
+  in the run sent (an OOM killer, ``kill -9``), whatever the others said after losing it.
+  Otherwise the first process that failed speaks, once, with its own status (2: bad
+  input, 1: failure)."""
+  if frozen:
+    names = ", ".join(map(str, frozen))
+    return (f"train/launch.py: error: process {names} was stopped (SIGSTOP, or a debugger) "
+            "and stopped answering; the others lost contact with it and the run stopped", 1)
   for i, code in enumerate(codes):
     if code < 0 and i not in stopped:
       name = signal.Signals(-code).name
@@ -155,10 +164,22 @@ def _failure(codes: list[int], held: list[list[str]], stopped: set[int],
   return f"train/launch.py: error: process {i} exited with status {codes[i]}", 1
 
 
+def _is_stopped(pid: int) -> bool:
+  """Whether process ``pid`` is stopped (state T or t in /proc; False where there is none)."""
+  try:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+  except OSError:
+    return False
+  return stat[stat.rindex(")") + 2:][:1] in ("T", "t")
+
+
 def _stop(children, grace: float) -> None:
   for c in children:
     if c.poll() is None:
-      c.send_signal(signal.SIGTERM)
+      if _is_stopped(c.pid):  # it cannot stop with the others (its peers are gone)
+        c.kill()
+      else:
+        c.send_signal(signal.SIGTERM)
   deadline = time.time() + grace
   for c in children:
     try:

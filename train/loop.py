@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, describe_not_ours
 from flax_tp.fsdp import FSDP_DIM, unshard_over_data
+from flax_tp.run_lock import LOCK_NAME, FolderInUse, FolderLock
 from models.config import TransformerConfig
 from models.hf import HFConfigError, load_hf, read_config
 from models.transformer import Transformer
@@ -30,6 +32,7 @@ from train.data import HFTokenizer, TokenCorpus
 from train.errors import RunError, UsageError, say
 from train.sample import sample_tokens
 from train.step import LossOptions, Trainer, make_optimizer
+from train.tempfiles import remove_registered, remove_stale, temp_beside
 
 EVAL_BATCHES = 4
 
@@ -108,9 +111,13 @@ def _drop_records_after(path: Path, step: int) -> None:
     if not (isinstance(record, dict) and isinstance(record.get("step"), int)
             and record["step"] > step):
       kept.append(line)
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-  os.replace(tmp, path)
+  # Beside it under a name of flax_tp's own (a user's m.jsonl.tmp stays theirs), removed
+  # on every way out, a full disk included.
+  remove_stale(path.parent)
+  with temp_beside(path) as tmp:
+    with open(tmp, "x", encoding="utf-8") as f:
+      f.write("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 class Interrupts:
@@ -140,6 +147,7 @@ class Interrupts:
     name = signal.Signals(signum).name
     if self.received is not None:
       say(f"train/run.py: second signal ({name}): aborting without saving")
+      remove_registered()  # os._exit runs no finally
       os._exit(128 + signum)
     self.received = signum
     # On a terminal a new line first ends the progress bar's line; a log gets no blank line.
@@ -204,7 +212,7 @@ def claim_checkpoint_dir(args: argparse.Namespace, checkpointer: Checkpointer,
   if is_main_process():
     checkpointer.delete_all()
   console.print(f"--overwrite: deleted the earlier run's checkpoints (steps {listed}) in "
-                f"{args.checkpoint_dir}")
+                f"{args.checkpoint_dir!r}")
 
 
 def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
@@ -259,7 +267,51 @@ def hf_model_and_tokenizer(folder: str, overrides: dict[str, Any], flag: str = "
   return cfg, tokenizer
 
 
+def _from_process_0(text: str) -> str:
+  """``text`` as process 0 has it, on every process (one line, at most 1 KiB)."""
+  if jax.process_count() == 1:
+    return text
+  from jax.experimental import multihost_utils
+  data = np.zeros(1024, np.uint8)
+  raw = text.encode("utf-8")[:1024]
+  data[:len(raw)] = np.frombuffer(raw, np.uint8)
+  data = np.asarray(multihost_utils.broadcast_one_to_all(data))
+  return bytes(data).rstrip(b"\0").decode("utf-8", "replace")
+
+
+def lock_checkpoint_dir(args: argparse.Namespace) -> FolderLock | None:
+  """This run's hold on ``--checkpoint-dir`` for as long as it runs (``FolderLock``:
+  released when the process ends, however it ends). Process 0 takes it and every
+  process learns what it found, so a second run (another job, another host sharing
+  the folder) stops whole with one line naming the holder, before touching anything."""
+  if not args.checkpoint_dir:
+    return None
+  lock = FolderLock(args.checkpoint_dir)
+  problem = ""
+  if is_main_process():
+    try:
+      lock.acquire()
+    except FolderInUse as err:
+      problem = f"{err}; wait for it to end, or choose another --checkpoint-dir"
+    except OSError as err:
+      problem = f"cannot lock it ({LOCK_NAME}): {err.strerror or err}"
+  problem = _from_process_0(problem)
+  if problem:
+    raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r}: {problem}")
+  return lock
+
+
 def run(args: argparse.Namespace) -> int:
+  """The whole run, holding ``--checkpoint-dir`` throughout (``lock_checkpoint_dir``)."""
+  lock = lock_checkpoint_dir(args)
+  try:
+    return _run(args)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _run(args: argparse.Namespace) -> int:
   console = Console(quiet=not is_main_process(), highlight=False, soft_wrap=True)
   errors = Console(stderr=True, highlight=False, soft_wrap=True)
   try:
@@ -324,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
     local_rows = all(len({d.process_index for d in row}) == 1 for row in mesh.devices)
     console.print(f"processes: {jax.process_count()} x {jax.local_device_count()} devices; the "
                   f"model axis {'stays inside' if local_rows else 'spans'} a process")
-  origin = f"from {args.init_from}" if args.init_from else f"preset {args.preset or 'small'}"
+  origin = f"from {args.init_from!r}" if args.init_from else f"preset {args.preset or 'small'}"
   options = [name for name, on in (("sequence parallel", cfg.sequence_parallel),
                                    (f"remat {cfg.remat}", cfg.remat != "none"),
                                    ("scanned layers", cfg.scan_layers),
@@ -345,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
   for note in notes:
     console.print(note, markup=False)
   if start:
-    console.print(f"resumed from step {start} in {args.checkpoint_dir}")
+    console.print(f"resumed from step {start} in {args.checkpoint_dir!r}")
 
   metrics = MetricsWriter(args.metrics_file, resume_from=start if args.resume else None)
   dropout_key = jax.random.key(args.seed + 1) if args.dropout > 0 else None
@@ -400,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
           if not math.isfinite(loss):
             finish_saves()
             last = checkpointer.latest_step() if checkpointer else None
-            kept = (f"last good checkpoint: step {last} in {args.checkpoint_dir}"
+            kept = (f"last good checkpoint: step {last} in {args.checkpoint_dir!r}"
                     if last is not None else "no checkpoint was written")
             progress.stop()
             errors.print(f"error: loss is {loss} at step {step + 1}; stopping ({kept})",
@@ -434,7 +486,7 @@ def run(args: argparse.Namespace) -> int:
           if checkpointer.latest_step() != done:
             save(done)
           finish_saves()
-          saved = f"checkpoint of step {done} saved in {args.checkpoint_dir}; --resume " \
+          saved = f"checkpoint of step {done} saved in {args.checkpoint_dir!r}; --resume " \
                   "continues from it"
         errors.print(f"{name}: stopped after step {done}; {saved}", markup=False)
         return interrupts.exit_status
@@ -442,6 +494,11 @@ def run(args: argparse.Namespace) -> int:
       finish_saves()
     finally:
       metrics.close()
+      if checkpointer is not None:
+        # When an error ends the run, its save in flight still finishes (or fails) before
+        # the folder's lock is let go; the error itself is already on its way.
+        with contextlib.suppress(Exception):
+          checkpointer.wait()
 
   if args.sample_length:
     tokenizer = corpus.tokenizer

@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from train.errors import (
+  MAX_SIMULATED_DEVICES,
   RunError,
   UsageError,
   exit_on_interrupt,
@@ -136,7 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 INT_MAX = 2**31 - 1  # steps, sizes and counters are int32 inside the compiled step
 SEED_LIMIT = 2**32
-MAX_SIMULATED_DEVICES = 1024  # XLA's CPU client aborts the process on absurd counts
 
 
 def _flag(name: str) -> str:
@@ -218,29 +218,16 @@ def check_writable_file(flag: str, path: Path) -> None:
 # process when a collective's threads have not all arrived within 40 s; a busy host
 # (another 8-device process compiling on the same 2 cores) can hold one back that long
 # without any hang, so wait longer. A real deadlock still ends in XLA's abort, after
-# this wait (cpu_thread_pool_size removes the one seen).
+# this wait (flax_tp.mesh.cpu_thread_pool_size removes the one seen).
 CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
-
-
-def cpu_thread_pool_size(devices: int) -> int:
-  """Threads for XLA:CPU's pool when it simulates ``devices`` devices: twice as many.
-
-  XLA runs every simulated device's program on one pool of ``max(cores, devices)``
-  threads (``NPROC`` overrides the core count), and a collective holds its thread
-  until all devices arrive. Independent collectives of one program can run at once, so
-  with as many threads as devices, one device blocked in a second collective can leave
-  the others no thread to reach the first: a 1x8 run hung that way (7 of 8 devices in
-  an all-reduce, for 10 minutes, then XLA aborted). A spare thread per device leaves
-  room; waiting threads use no CPU.
-  """
-  return max(os.cpu_count() or 1, 2 * devices)
 
 
 def provide_cpu_devices(count: int) -> None:
   """Asks XLA's CPU platform for ``count`` devices unless the user chose a number, lets
   their collectives wait out a busy host (``CPU_COLLECTIVE_TIMEOUT_FLAG``), and gives
-  them a thread pool with a spare thread per device (``cpu_thread_pool_size``, unless
-  ``NPROC`` is set)."""
+  them a thread pool with a spare thread per device (``flax_tp.mesh.cpu_thread_pool_size``,
+  unless ``NPROC`` is set)."""
+  from flax_tp.mesh import cpu_thread_pool_size
   flags = os.environ.get("XLA_FLAGS", "")
   problem = xla_device_count_problem(flags)
   if problem:
@@ -250,7 +237,7 @@ def provide_cpu_devices(count: int) -> None:
   if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
     flags = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}"
   os.environ["XLA_FLAGS"] = flags.strip()
-  chosen = re.search(r"xla_force_host_platform_device_count=(\d+)", flags)
+  chosen = re.search(r"xla_force_host_platform_device_count=([0-9]+)", flags)
   os.environ.setdefault("NPROC", str(cpu_thread_pool_size(int(chosen[1]))))
 
 
