@@ -342,5 +342,13 @@ def _take_or_zero(tensor: Array, positions: np.ndarray, dim: int) -> Array:
   dimension's size reads zero (padding)."""
   if isinstance(tensor, jax.Array):
     return jnp.take(tensor, positions, axis=dim, mode="fill", fill_value=0)
-  zero = np.zeros(tensor.shape[:dim] + (1,) + tensor.shape[dim + 1:], tensor.dtype)
-  return np.take(np.concatenate([tensor, zero], axis=dim), positions, axis=dim)
+  size = tensor.shape[dim]
+  if size == 0:
+    return np.zeros(tensor.shape[:dim] + positions.shape + tensor.shape[dim + 1:], tensor.dtype)
+  # One copy on the host (a whole embedding table can be large): gather, then zero the
+  # padding in place.
+  out = np.take(tensor, np.minimum(positions, size - 1), axis=dim)
+  padding = positions >= size
+  if padding.any():
+    out[(slice(None),) * dim + (padding,)] = 0
+  return out

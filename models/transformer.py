@@ -413,12 +413,22 @@ class Transformer(nnx.Module):
     if tokens_bs.shape[0] % data:
       raise ValueError(f"batch {tokens_bs.shape[0]} is not divisible by the {data}-way "
                        f"data axis of the mesh")
-    # The step's gathering: FSDP params (cfg.fsdp) are gathered over "data" as the step
-    # gathers them (the blocks' inside each block); nothing changes without FSDP.
-    logits = jax.shard_map(
-        lambda s, t, k: nnx.merge(graphdef, gather_for_step(s, per_block=("blocks",)))(
-            t, dropout_key=k), mesh=self.mesh,
-        in_specs=(nnx.get_partition_spec(state), P(flax_tp.DATA_AXIS), P()),
-        out_specs=P(flax_tp.DATA_AXIS, None, flax_tp.MODEL_AXIS),
-    )(state, tokens_bs, dropout_key)
-    return self.vocab_layout.unpad(logits, -1)
+    return _standalone_logits(graphdef, self.mesh, state, tokens_bs, dropout_key)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _standalone_logits(graphdef, mesh: Mesh, state, tokens_bs, dropout_key):
+  """A model called outside any map: logits ``[b, s, vocab]`` (split over the vocabulary).
+
+  One compiled program per model graph and mesh (eagerly, ``shard_map`` would run the
+  model op by op: 30 s for the tiny preset); inside a caller's ``jit`` it is inlined.
+  The step's gathering: FSDP params are gathered over "data" as the step gathers them
+  (the blocks' inside each block); without FSDP nothing changes.
+  """
+  logits = jax.shard_map(
+      lambda s, t, k: nnx.merge(graphdef, gather_for_step(s, per_block=("blocks",)))(
+          t, dropout_key=k), mesh=mesh,
+      in_specs=(nnx.get_partition_spec(state), P(flax_tp.DATA_AXIS), P()),
+      out_specs=P(flax_tp.DATA_AXIS, None, flax_tp.MODEL_AXIS),
+  )(state, tokens_bs, dropout_key)
+  return nnx.merge(graphdef, state).vocab_layout.unpad(logits, -1)

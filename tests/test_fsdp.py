@@ -113,11 +113,11 @@ def test_fsdp_checkpoints_move_to_runs_without_it_and_back(tmp_path):
 
 @pytest.mark.parametrize("spec", ["2x4", "4x2"])
 def test_an_fsdp_model_runs_outside_the_step(spec):
-  """An FSDP model called as any model (eagerly, under nnx.jit, its gradients, generate,
-  one loaded with load_hf(fsdp=True)) gives the plain model's values: its map gathers
-  what the step gathers, and generation takes the params whole once. The model's params
-  stay split over "data" throughout (on main, ln_f failed to reshape its shard);
-  unshard_over_data still puts a model back in place."""
+  """An FSDP model called as any model (eagerly, under nnx.jit, generate; on 2x4 also its
+  gradients and one loaded with load_hf(fsdp=True)) gives the plain model's values: its
+  map gathers what the step gathers, and generation takes the params whole once. The
+  model's params stay split over "data" throughout (on main, ln_f failed to reshape its
+  shard); unshard_over_data still puts a model back in place."""
   from pathlib import Path
 
   from flax_tp.fsdp import unshard_over_data
@@ -132,15 +132,17 @@ def test_an_fsdp_model_runs_outside_the_step(spec):
   call = nnx.jit(lambda m, x: m(x))
   np.testing.assert_array_equal(call(fsdp, ids), call(plain, ids))
   np.testing.assert_array_equal(fsdp(ids), plain(ids))
-  grad = nnx.jit(nnx.grad(lambda m, x: jnp.mean(jnp.sin(m(x)))))
-  for a, b in zip(jax.tree.leaves(flax_tp.unshard(grad(fsdp, ids))),
-                  jax.tree.leaves(flax_tp.unshard(grad(plain, ids))), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   np.testing.assert_array_equal(generate(fsdp, [[1, 2, 3], [4]], max_new_tokens=6),
                                 generate(plain, [[1, 2, 3], [4]], max_new_tokens=6))
   assert {k: v.sharding for k, v in nnx.to_flat_state(nnx.state(fsdp, nnx.Param))} == split
   assert any(FSDP_DIM in v.get_metadata() for _, v in nnx.to_flat_state(nnx.state(fsdp)))
 
+  if spec != "2x4":
+    return
+  grad = nnx.jit(nnx.grad(lambda m, x: jnp.mean(jnp.sin(m(x)))))
+  for a, b in zip(jax.tree.leaves(flax_tp.unshard(grad(fsdp, ids))),
+                  jax.tree.leaves(flax_tp.unshard(grad(plain, ids))), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   folder = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama"
   loaded, whole = load_hf(folder, mesh, fsdp=True), load_hf(folder, mesh)
   ids = jnp.arange(16).reshape(4, 4) * 3

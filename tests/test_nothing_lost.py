@@ -46,14 +46,16 @@ def test_a_fresh_run_never_touches_another_runs_checkpoints(tmp_path, corpus, ca
   ck = tmp_path / "ck"
   base = [*FLAGS, "--mesh", "1x2", "--data", corpus, "--checkpoint-dir", str(ck)]
   assert main([*base, "--steps", "4", "--checkpoint-every", "2"]) == 0
-  before = {p: p.stat().st_mtime_ns for p in ck.rglob("*")}
+  # Every checkpoint file (the folder's run lock is each run's: it names its holder).
+  before = {p: p.stat().st_mtime_ns for p in ck.rglob("*") if p.name != ".flax_tp-run.lock"}
   capsys.readouterr()
   # The repro: another seed, saving every step, into the same folder.
   assert main([*base, "--steps", "4", "--checkpoint-every", "1", "--seed", "7"]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "holds checkpoints of an earlier run (steps 2, 4)" in err
   assert "--resume" in err and "--overwrite" in err
-  assert {p: p.stat().st_mtime_ns for p in ck.rglob("*")} == before  # untouched
+  assert {p: p.stat().st_mtime_ns for p in ck.rglob("*")
+          if p.name != ".flax_tp-run.lock"} == before  # untouched
   # --resume of it with another seed is refused, naming the difference.
   assert main([*base, "--steps", "6", "--resume", "--seed", "7"]) == 2
   assert "belong to another run (seed 0 there, 7 here)" in capsys.readouterr().err
