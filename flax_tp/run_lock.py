@@ -32,7 +32,13 @@ _HELD: set[Path] = set()
 
 
 class FolderInUse(RuntimeError):
-  """Another run (or another lock in this process) holds the folder; says which."""
+  """Another run (or another lock in this process) holds the folder; says which.
+
+  ``holder``: the holder's own description (pid, host, start, command)."""
+
+  def __init__(self, message: str, holder: str):
+    super().__init__(message)
+    self.holder = holder
 
 
 class FolderLock:
@@ -48,15 +54,15 @@ class FolderLock:
   def acquire(self) -> None:
     if self.path in _HELD:
       raise FolderInUse(f"{str(self.path.parent)!r} is already locked by this process "
-                        f"(pid {os.getpid()})")
+                        f"(pid {os.getpid()})", f"this process (pid {os.getpid()})")
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
       fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-      holder = _read(fd)
+      holder = _read(fd) or "a process that has not yet said which"
       os.close(fd)
-      raise FolderInUse(f"{str(self.path.parent)!r} is in use by another run: "
-                        f"{holder or 'a process that has not yet said which'}") from None
+      raise FolderInUse(f"{str(self.path.parent)!r} is in use by another run: {holder}",
+                        holder) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, _describe_self().encode("utf-8", "backslashreplace"), 0)
     os.fsync(fd)

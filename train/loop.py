@@ -292,12 +292,13 @@ def lock_checkpoint_dir(args: argparse.Namespace) -> FolderLock | None:
     try:
       lock.acquire()
     except FolderInUse as err:
-      problem = f"{err}; wait for it to end, or choose another --checkpoint-dir"
+      problem = (f"is in use by another run: {err.holder}; wait for it to end, or choose "
+                 "another --checkpoint-dir")
     except OSError as err:
-      problem = f"cannot lock it ({LOCK_NAME}): {err.strerror or err}"
+      problem = f"cannot be locked ({LOCK_NAME}): {err.strerror or err}"
   problem = _from_process_0(problem)
   if problem:
-    raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r}: {problem}")
+    raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} {problem}")
   return lock
 
 
