@@ -40,6 +40,12 @@ def parse_mesh_spec(spec: str | Sequence[int]) -> tuple[int, int]:
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=([0-9]+)(?![^\s])")
 
 
+def simulated_device_count(flags: str) -> int | None:
+  """The CPU device count an ``XLA_FLAGS`` string asks for (ASCII digits), or None."""
+  match = _DEVICE_COUNT_FLAG.search(flags)
+  return None if match is None else int(match[1])
+
+
 def cpu_thread_pool_size(devices: int) -> int:
   """Threads for XLA:CPU's pool when it simulates ``devices`` devices: twice as many.
 
@@ -60,8 +66,8 @@ def provide_cpu_threads() -> None:
   ``XLA_FLAGS`` asks for, when the user has not set it and JAX has not started its
   backends yet (XLA reads it then). Called when flax_tp is imported, so a program that
   imports flax_tp before computing anything gets the spare threads by itself."""
-  match = _DEVICE_COUNT_FLAG.search(os.environ.get("XLA_FLAGS", ""))
-  if match is None or int(match[1]) < 2 or "NPROC" in os.environ:
+  count = simulated_device_count(os.environ.get("XLA_FLAGS", ""))
+  if count is None or count < 2 or "NPROC" in os.environ:
     return
   try:
     from jax._src import xla_bridge  # no public way to ask whether the backends started
@@ -69,7 +75,7 @@ def provide_cpu_threads() -> None:
   except (ImportError, AttributeError):
     started = True
   if not started:
-    os.environ["NPROC"] = str(cpu_thread_pool_size(int(match[1])))
+    os.environ["NPROC"] = str(cpu_thread_pool_size(count))
 
 
 def _check_cpu_threads(devices: Sequence[jax.Device]) -> None:

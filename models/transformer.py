@@ -413,11 +413,13 @@ class Transformer(nnx.Module):
     if tokens_bs.shape[0] % data:
       raise ValueError(f"batch {tokens_bs.shape[0]} is not divisible by the {data}-way "
                        f"data axis of the mesh")
-    return _standalone_logits(graphdef, self.mesh, state, tokens_bs, dropout_key)
+    return _standalone_logits(graphdef, self.mesh, self.vocab_layout, state, tokens_bs,
+                              dropout_key)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _standalone_logits(graphdef, mesh: Mesh, state, tokens_bs, dropout_key):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _standalone_logits(graphdef, mesh: Mesh, vocab_layout: flax_tp.ShardLayout, state,
+                       tokens_bs, dropout_key):
   """A model called outside any map: logits ``[b, s, vocab]`` (split over the vocabulary).
 
   One compiled program per model graph and mesh (eagerly, ``shard_map`` would run the
@@ -431,4 +433,4 @@ def _standalone_logits(graphdef, mesh: Mesh, state, tokens_bs, dropout_key):
       in_specs=(nnx.get_partition_spec(state), P(flax_tp.DATA_AXIS), P()),
       out_specs=P(flax_tp.DATA_AXIS, None, flax_tp.MODEL_AXIS),
   )(state, tokens_bs, dropout_key)
-  return nnx.merge(graphdef, state).vocab_layout.unpad(logits, -1)
+  return vocab_layout.unpad(logits, -1)

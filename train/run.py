@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 import traceback
 from pathlib import Path
@@ -227,7 +226,7 @@ def provide_cpu_devices(count: int) -> None:
   their collectives wait out a busy host (``CPU_COLLECTIVE_TIMEOUT_FLAG``), and gives
   them a thread pool with a spare thread per device (``flax_tp.mesh.cpu_thread_pool_size``,
   unless ``NPROC`` is set)."""
-  from flax_tp.mesh import cpu_thread_pool_size
+  from flax_tp.mesh import cpu_thread_pool_size, simulated_device_count
   flags = os.environ.get("XLA_FLAGS", "")
   problem = xla_device_count_problem(flags)
   if problem:
@@ -237,8 +236,8 @@ def provide_cpu_devices(count: int) -> None:
   if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
     flags = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}"
   os.environ["XLA_FLAGS"] = flags.strip()
-  chosen = re.search(r"xla_force_host_platform_device_count=([0-9]+)", flags)
-  os.environ.setdefault("NPROC", str(cpu_thread_pool_size(int(chosen[1]))))
+  # JAX has not started here (this runs before it is imported), so NPROC still counts.
+  os.environ.setdefault("NPROC", str(cpu_thread_pool_size(simulated_device_count(flags))))
 
 
 def provide_mesh_devices(mesh: str, processes: int = 1) -> None:
