@@ -81,17 +81,21 @@ def _path_key(path) -> tuple:
   return tuple(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
 
 
-def abstract_step(cfg, mesh, batch: int, seq: int, keep: dict | None = None):
-  """The compiled train step of ``cfg`` from abstract params and batch (no arrays);
-  ``keep`` (a dict) receives the abstract ``params`` and ``opt_state``."""
+def abstract_step(cfg, mesh, batch: int, seq: int, keep: dict | None = None,
+                  execution: dict | None = None):
+  """The compiled train step of ``cfg`` run as ``execution`` (``models.execution.Execution``
+  fields) from abstract params and batch (no arrays); ``keep`` (a dict) receives the
+  abstract ``params`` and ``opt_state``."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
   from jax.sharding import NamedSharding
 
+  from models.execution import Execution
   from models.transformer import Transformer
   from train.step import Trainer, make_optimizer
-  model = nnx.eval_shape(lambda: Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0),
+                                             execution=Execution(**(execution or {}))))
   trainer = Trainer(model, make_optimizer(lr=1e-3, steps=10))
   specs = nnx.get_partition_spec(trainer.params)
   params = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(
@@ -126,8 +130,9 @@ def memory_section(args, log) -> list[dict]:
   rows = []
   for seq in args.seqs:
     for name in args.options:
-      cfg = TransformerConfig.preset(args.preset, max_seq_len=seq, **{**OPTIONS, **MORE_OPTIONS}[name])
-      compiled, seconds = abstract_step(cfg, mesh, args.batch, seq)
+      cfg = TransformerConfig.preset(args.preset, max_seq_len=seq)
+      compiled, seconds = abstract_step(cfg, mesh, args.batch, seq,
+                                        execution={**OPTIONS, **MORE_OPTIONS}[name])
       stats = compiled.memory_analysis()
       row = dict(seq=seq, options=name, temp_bytes=stats.temp_size_in_bytes,
                  argument_bytes=stats.argument_size_in_bytes, compile_s=seconds)
@@ -144,9 +149,8 @@ def compile_section(args, log) -> list[dict]:
   rows = []
   for depth in args.depths:
     for scan in (False, True):
-      cfg = TransformerConfig.preset(args.compile_preset, num_layers=depth, max_seq_len=128,
-                                     scan_layers=scan)
-      _, seconds = abstract_step(cfg, mesh, args.batch, 128)
+      cfg = TransformerConfig.preset(args.compile_preset, num_layers=depth, max_seq_len=128)
+      _, seconds = abstract_step(cfg, mesh, args.batch, 128, execution=dict(scan_layers=scan))
       rows.append(dict(layers=depth, scan_layers=scan, compile_s=seconds))
       log(f"compile {args.compile_preset} x{depth} scan={scan}: {seconds:.1f} s")
   return rows
@@ -158,6 +162,7 @@ def step_section(args, log) -> dict:
   import flax_tp
   from bench.run import flax_tp_contender, interleaved_medians
   from models.config import TransformerConfig
+  from models.execution import Execution
   from train.step import make_optimizer
   mesh = flax_tp.make_mesh(args.mesh)
   tokens = np.random.default_rng(0).integers(0, 256, (args.batch, args.step_seq + 1),
@@ -165,9 +170,10 @@ def step_section(args, log) -> dict:
   contenders = {}
   for name, options in {**OPTIONS, "remat": MORE_OPTIONS["remat"],
                         "scan": MORE_OPTIONS["scan"]}.items():
-    cfg = TransformerConfig.preset(args.step_preset, max_seq_len=args.step_seq, **options)
-    _, contenders[name], _ = flax_tp_contender(cfg, mesh, tokens, make_optimizer(lr=1e-3,
-                                                                                 steps=10))
+    cfg = TransformerConfig.preset(args.step_preset, max_seq_len=args.step_seq)
+    _, contenders[name], _ = flax_tp_contender(cfg, mesh, tokens,
+                                               make_optimizer(lr=1e-3, steps=10),
+                                               Execution(**options))
   medians = interleaved_medians(contenders, args.repeats)
   ratios = {name: medians[name] / medians["plain"] for name in medians}
   for name, ratio in ratios.items():
@@ -196,10 +202,11 @@ def fsdp_section(args, log) -> list[dict]:
                              for f in (False, True)):
     mesh = flax_tp.make_mesh(spec)
     d, m = mesh.shape["data"], mesh.shape["model"]
-    cfg = TransformerConfig.preset(args.preset, max_seq_len=args.fsdp_seq, fsdp=fsdp,
-                                   **{**OPTIONS, **MORE_OPTIONS}[option])
+    cfg = TransformerConfig.preset(args.preset, max_seq_len=args.fsdp_seq)
     args_of = {}
-    compiled, seconds = abstract_step(cfg, mesh, args.batch, args.fsdp_seq, args_of)
+    compiled, seconds = abstract_step(cfg, mesh, args.batch, args.fsdp_seq, args_of,
+                                      execution=dict(fsdp=fsdp,
+                                                     **{**OPTIONS, **MORE_OPTIONS}[option]))
     found = [c for c in collectives(compiled.as_text(), mesh) if c.axes == ("data",)]
     produced = {kind: sum(c.bytes for c in found if c.kind == kind)
                 for kind in ("all-gather", "reduce-scatter", "all-reduce")}
@@ -229,7 +236,7 @@ def probe_section(log) -> list[dict]:
   import jax
   import jax.numpy as jnp
 
-  from models.transformer import _recompute_in_backward
+  from flax_tp.remat import recompute_in_backward
   layers, rows, width = 24, 2048, 1024
 
   def layer(w, x):
@@ -238,8 +245,8 @@ def probe_section(log) -> list[dict]:
   def loss(ws, x, remat, scan):
     f = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable) if remat \
         else layer
-    if remat == "flax_tp":  # models/transformer.py's recomputing VJP
-      f = lambda w, x: _recompute_in_backward(lambda w, x, k, r: layer(w, x), w, x, None, None)
+    if remat == "flax_tp":  # flax_tp.remat's recomputing VJP
+      f = lambda w, x: recompute_in_backward(layer, w, x)
     if scan:
       x, _ = jax.lax.scan(lambda x, w: (f(w, x), None), x, ws)
     else:

@@ -64,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--points must be BATCHxSEQ pairs of positive integers, got {given!r}")
   if args.peak_tflops is not None and not args.peak_tflops > 0:
     p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
-  from models.config import REMAT_CHOICES, TransformerConfig
+  from flax_tp.remat import REMAT_CHOICES
+  from models.config import TransformerConfig
   args.presets = [name.strip() for name in args.presets.split(",") if name.strip()]
   for name in args.presets:
     if name not in TransformerConfig.preset_names():
@@ -159,12 +160,13 @@ def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeat
 
   from bench import peers
   from bench.run import flax_tp_contender, interleaved_medians, peer_contender
+  from models.execution import Execution
   cfg = dataclasses.replace(cfg, max_seq_len=max(seq, cfg.max_seq_len))
   tokens = np.asarray(peers.tokens_for(cfg, batch, seq))
   row = {"batch": batch, "seq": seq}
   builders = {"flax_tp" if remat == "none" else f"flax_tp remat={remat}":
-              (lambda remat=remat: flax_tp_contender(dataclasses.replace(cfg, remat=remat), mesh,
-                                                      tokens, tx)[1])
+              (lambda remat=remat: flax_tp_contender(cfg, mesh, tokens, tx,
+                                                      Execution(remat=remat))[1])
               for remat in ["none", *remats]}
   builders["plain Flax"] = lambda: peer_contender(peers.single(cfg, tx), tokens)[0]
   contenders = {}

@@ -108,13 +108,17 @@ class Contender:
     jax.block_until_ready(out[2])
 
 
-def flax_tp_contender(cfg, mesh, tokens_host, tx):
+def flax_tp_contender(cfg, mesh, tokens_host, tx, execution=None):
+  """flax_tp's compiled train step of ``cfg`` on ``mesh``, run as ``execution`` (a
+  ``models.execution.Execution``; default: plain)."""
   import jax
   from flax import nnx
 
+  from models.execution import Execution
   from models.transformer import Transformer
   from train.step import Trainer
-  trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)), tx)
+  trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0),
+                                execution=execution or Execution()), tx)
   params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
   tokens = jax.device_put(tokens_host, trainer.batch_sharding)
   compiled, seconds = compile_timed(trainer.train_step, params, opt_state, tokens, None)

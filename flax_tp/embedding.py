@@ -67,6 +67,12 @@ class _ParallelEmbed(ParallelModule):
     self.param_dtype = param_dtype
     self.promote_dtype = promote_dtype
 
+  def _local_table(self) -> Array:
+    """This device's block of the table inside a map, shape-checked (``_checked_local``)."""
+    shape = [self.num_embeddings, self.features]
+    shape[self.split_dim] = self.layout.padded_size
+    return self._checked_local("embedding", self.embedding[...], tuple(shape))
+
   def _table(self, table: Array) -> Array:
     """This device's table with padding zeroed, in the compute dtype."""
     table = masked(table, self.layout, self.split_dim, self.axis_name)
@@ -110,7 +116,7 @@ class VocabParallelEmbedding(_ParallelEmbed):
     self._check_ids(inputs)
     if self._is_local():
       self._out_sharding(out_sharding)  # refuses a non-None one here
-      return self._lookup(self.embedding[...], inputs, scatter=self.sequence_parallel)
+      return self._lookup(self._local_table(), inputs, scatter=self.sequence_parallel)
     return self._standalone(
         lambda ids: self._run_standalone(self._lookup, (self.embedding[...], ids),
                                          (self._spec(2, 0), P()), P(), batch=1, min_ndim=1),
@@ -153,7 +159,7 @@ class VocabParallelEmbedding(_ParallelEmbed):
     """
     if self._is_local():
       self._out_sharding(out_sharding)  # refuses a non-None one here
-      return self._attend(self.embedding[...], query)
+      return self._attend(self._local_table(), query)
 
     def logits(query):
       split = self._run_standalone(self._attend, (self.embedding[...], query),
@@ -193,7 +199,7 @@ class ParallelEmbedding(_ParallelEmbed):
     self._check_ids(inputs)
     if self._is_local():
       self._out_sharding(out_sharding)  # refuses a non-None one here
-      return self._lookup(self.embedding[...], inputs, gather=self.gather_output)
+      return self._lookup(self._local_table(), inputs, gather=self.gather_output)
 
     def lookup(ids):
       out_spec = P() if self.gather_output else self._spec(ids.ndim + 1, -1)
@@ -217,7 +223,7 @@ class ParallelEmbedding(_ParallelEmbed):
     """``out_sharding``: Flax's argument, for a standalone call (see ``_standalone``)."""
     if self._is_local():
       self._out_sharding(out_sharding)  # refuses a non-None one here
-      return self._attend(self.embedding[...], query)
+      return self._attend(self._local_table(), query)
     return self._standalone(
         lambda q: self._run_standalone(self._attend, (self.embedding[...], q),
                                        (self._spec(2, 1), P()), P(), batch=1),

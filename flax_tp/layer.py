@@ -65,6 +65,23 @@ class ParallelModule(nnx.Module):
   def _is_local(self) -> bool:
     return axis_is_bound(self.axis_name)
 
+  def _checked_local(self, name: str, value: jax.Array, expected: tuple[int, ...]) -> jax.Array:
+    """Param ``name``'s block ``value`` on this device inside a map, which must be
+    ``expected``: a param FSDP split over ``"data"`` and not gathered (a model that
+    runs its blocks without ``gather_block``) is an error saying what to call, never a
+    wrong matmul."""
+    if tuple(value.shape) == tuple(expected):
+      return value
+    var = getattr(self, name)
+    hint = ""
+    if "fsdp_dim" in var.get_metadata():
+      hint = (f"; it is split over {DATA_AXIS!r} (FSDP) and was not gathered: run the "
+              f"blocks through flax_tp.remat.run_blocks, or gather each block's params "
+              f"with flax_tp.data_parallel.gather_block (the step's params with "
+              f"gather_for_step) before calling it")
+    raise ValueError(f"{type(self).__name__}.{name} is {tuple(value.shape)} on this device, "
+                     f"expected {tuple(expected)}{hint}")
+
   def _standalone(self, compute: Callable[[Any], Any], x: Any, batch_dims: int,
                   out_sharding: Any) -> jax.Array:
     """A standalone call, ``compute(x)`` (the logical output), placed as Flax places it.

@@ -117,7 +117,14 @@ class _ParallelDense(ParallelModule):
     return y, bias
 
   def _params(self) -> tuple[Array, Array | None]:
-    return self.kernel[...], (self.bias[...] if self.bias is not None else None)
+    kernel, bias = self.kernel[...], (self.bias[...] if self.bias is not None else None)
+    if self._is_local():  # this device's blocks: checked against what the matmul needs
+      shape = [self.in_features, self.out_features]
+      shape[self.split_dim] = self.layout.padded_size
+      kernel = self._checked_local("kernel", kernel, tuple(shape))
+      if bias is not None:
+        bias = self._checked_local("bias", bias, (shape[1],))
+    return kernel, bias
 
   def _param_specs(self) -> tuple[P, P | None]:
     return (self._spec(2, self.split_dim),

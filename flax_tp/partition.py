@@ -242,6 +242,40 @@ class KVHeadLayout(ShardLayout):
     starts = [o for o, s in self._bounds if s]
     return any(b < a for a, b in zip(ends, starts[1:], strict=False))
 
+  @functools.cached_property
+  def query_layout(self) -> ShardLayout:
+    """The query heads' layout: ``num_heads * unit`` split in whole heads."""
+    return ShardLayout(self.num_heads * self.unit, self.parts, self.unit)
+
+  @functools.cached_property
+  def kv_for_query_heads(self) -> tuple[np.ndarray, np.ndarray]:
+    """``[parts, local query heads]`` each: the local kv head each local query head
+    uses, and whether that query head is real (not padding). Built once per layout."""
+    q, unit = self.query_layout, self.unit
+    group = self.num_heads // (self.size // unit)
+    local = q.padded_size // unit
+    index = np.zeros((q.parts, local), np.int32)
+    real = np.zeros((q.parts, local), bool)
+    for i in range(q.parts):
+      first, count = q.offsets[i] // unit, q.sizes[i] // unit
+      heads = first + np.arange(count)
+      index[i, :count] = heads // group - self.offsets[i] // unit
+      real[i, :count] = True
+    return index, real
+
+  @functools.cached_property
+  def groups_line_up(self) -> bool:
+    """Whether every shard's query heads are whole groups over its own kv heads, in
+    order (padding over padding), so ``[hq_pad]`` reshapes to ``[hkv_pad, group]``."""
+    group = self.num_heads // (self.size // self.unit)
+    index, real = self.kv_for_query_heads
+    kv_local = self.padded_size // self.unit
+    if index.shape[1] != kv_local * group:
+      return False
+    expected = np.arange(index.shape[1]) // group
+    kv_real = np.asarray(self.sizes) // self.unit
+    return bool(np.all(np.where(real, index == expected, expected >= kv_real[:, None])))
+
   def valid_indices(self) -> np.ndarray:
     """``[size]``: the stored position of each logical element's first copy."""
     first = np.full(self.size, -1)

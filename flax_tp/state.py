@@ -30,7 +30,7 @@ from flax.nnx import variablelib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import all_reduce, shard_index
-from flax_tp.fsdp import FSDP_DIM
+from flax_tp.data_parallel import FSDP_DIM, FSDP_PER_BLOCK
 from flax_tp.partition import KVHeadLayout, ShardLayout
 
 Initializer = Callable[..., jax.Array]
@@ -51,7 +51,7 @@ def partition_names(ndim: int, dim: int | None, axis_name: str,
 
 
 # The metadata keys flax_tp writes on its params; a user's metadata may not set them.
-FLAX_TP_KEYS = ("tp_layout", "tp_dim", "tp_layers", "tp_layer_at", FSDP_DIM)
+FLAX_TP_KEYS = ("tp_layout", "tp_dim", "tp_layers", "tp_layer_at", FSDP_DIM, FSDP_PER_BLOCK)
 # Keys that say where a param lives. The layer decides that: a user's entry is kept
 # where it says what the layer does, and otherwise left out with a warning.
 _PLACEMENT_KEYS = ("out_sharding", "sharding", "sharding_names", "mesh", "sharding_rules",

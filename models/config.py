@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 BYTE_VOCAB = 256
-EXECUTION_FIELDS = ("sequence_parallel", "remat", "scan_layers", "fsdp")
-# "block" recomputes a whole block (nothing saved); the rest are jax.checkpoint_policies.
-REMAT_CHOICES = ("none", "block", "nothing_saveable", "dots_saveable",
-                 "dots_with_no_batch_dims_saveable", "checkpoint_dots",
-                 "checkpoint_dots_with_no_batch_dims", "everything_saveable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +42,8 @@ class TransformerConfig:
   qkv_bias: bool = True
   attn_out_bias: bool = True
   mlp_bias: bool = True
-  # How the step runs, not what it computes (a checkpoint moves between runs that
-  # differ only in these): see EXECUTION_FIELDS.
-  sequence_parallel: bool = False  # Megatron-SP: [b, s/M, d] between blocks
-  remat: str = "none"  # "block" or a jax.checkpoint_policies name: recompute in backward
-  scan_layers: bool = False  # jax.lax.scan over the blocks: compile time flat in depth
-  fsdp: bool = False  # params, gradients, optimizer state split over "data" too (ZeRO-3)
+  # How a step runs (sequence parallelism, remat, scanned layers, FSDP) is not here:
+  # see models.execution.Execution.
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_heads", "head_dim", "d_ff", "num_layers",
@@ -72,21 +62,12 @@ class TransformerConfig:
     if kv < 1 or self.num_heads % kv:
       raise ValueError(f"num_kv_heads must divide num_heads={self.num_heads}, got "
                        f"{self.num_kv_heads}")
-    if self.remat not in REMAT_CHOICES:
-      raise ValueError(f"remat must be one of {REMAT_CHOICES}, got {self.remat!r}")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
-  def remat_policy(self):
-    """The ``jax.checkpoint`` policy of each block, or None (no recomputation)."""
-    if self.remat == "none":
-      return None
-    name = "nothing_saveable" if self.remat == "block" else self.remat
-    return getattr(jax.checkpoint_policies, name)
-
   def identity(self) -> dict:
-    """The fields that define the model (what a checkpoint must match)."""
-    return {k: v for k, v in dataclasses.asdict(self).items() if k not in EXECUTION_FIELDS}
+    """The fields that define the model (what a checkpoint must match): all of them."""
+    return dataclasses.asdict(self)
 
   @property
   def compute_dtype(self):

@@ -38,10 +38,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flax_tp
-from flax_tp.fsdp import whole_over_data
+from flax_tp.data_parallel import global_rows, whole_over_data
 from flax_tp.sampling import vocab_parallel_sample
+from models import execution as execution_lib
 from models.config import TransformerConfig
-from models.transformer import Transformer, _data_rows
+from models.transformer import Transformer
 
 MIN_BUCKET = 16
 
@@ -116,13 +117,12 @@ class Decoder:
     if not isinstance(model, Transformer):
       raise TypeError(f"generate needs a models.transformer.Transformer (built or loaded on a "
                       f"mesh), got {type(model).__name__}")
-    self.graphdef, state = nnx.split(model)
-    if model.cfg.sequence_parallel:
+    if model.execution.sequence_parallel:
       # Decoding a token is no sequence to split: run the same params through
       # the plain layers (sequence parallelism changes no param).
-      plain = dataclasses.replace(model.cfg, sequence_parallel=False)
-      self.graphdef = nnx.graphdef(nnx.eval_shape(
-          lambda: Transformer(plain, mesh=model.mesh, rngs=nnx.Rngs(0))))
+      model = execution_lib.view(
+          model, dataclasses.replace(model.execution, sequence_parallel=False))
+    self.graphdef, state = nnx.split(model)
     # An FSDP model's params are taken whole over "data" once per generation
     # (``_steps``), not gathered again for every token.
     self.specs = nnx.get_partition_spec(whole_over_data(state, place=False))
@@ -149,7 +149,7 @@ class Decoder:
       return vocab_parallel_sample(logits, vocab_size=self.cfg.vocab_size)
     temperature, top_k, top_p = values
     step_key = jax.random.fold_in(key, step)
-    keys = jax.vmap(lambda row: jax.random.fold_in(step_key, row))(_data_rows(logits.shape[0]))
+    keys = jax.vmap(lambda row: jax.random.fold_in(step_key, row))(global_rows(logits.shape[0]))
     return vocab_parallel_sample(logits, vocab_size=self.cfg.vocab_size, keys=keys,
                                  temperature=temperature, top_k=top_k if use_k else None,
                                  top_p=top_p if use_p else None)

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 import flax_tp
 from flax_tp.state import per_layer_paths, set_layer, stacked_layers, stored_like
 from models.config import TransformerConfig
+from models.execution import Execution
 from models.transformer import Transformer
 
 SUPPORTED = ("llama", "qwen2")
@@ -266,8 +267,10 @@ def _separate_head(directory: Path) -> bool:
   return True
 
 
-def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0, **overrides) -> Transformer:
-  """The ``Transformer`` of a local HF Llama/Qwen2 directory, on ``mesh``.
+def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
+            execution: Execution = Execution(), **overrides) -> Transformer:
+  """The ``Transformer`` of a local HF Llama/Qwen2 directory, on ``mesh``, run as
+  ``execution`` says (sequence parallelism, remat, scanned layers, FSDP).
 
   Each tensor is read on its own, converted to the flax layout and placed into
   its shards, so the host holds one checkpoint tensor at a time. (The model is
@@ -278,7 +281,7 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0, **overrides) -> Tran
   directory = Path(path)
   cfg = read_config(directory, **overrides)
   tensors = _Tensors(directory)
-  model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed))
+  model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed), execution=execution)
   # Each flax_tp param path -> (its param, layer of a stacked param or None).
   targets = {layer_path: (var, None if stacked_layers(var) is None else layer)
              for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))

@@ -16,62 +16,21 @@ Param names, nesting and key-draw order match ``models/reference.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import flax_tp
-from flax_tp.fsdp import gather_block, gather_for_step, shard_over_data
+from flax_tp.data_parallel import gather_for_step, global_rows
+from flax_tp.remat import run_blocks
+from flax_tp.sequence import SequenceSplit
 from flax_tp.state import place_on_mesh
-from models import ops
+from models import execution as execution_lib, ops
 from models.config import TransformerConfig
-
-
-def _data_rows(local_batch: int) -> jax.Array:
-  """Global batch-row ids of this device's rows (for mesh-independent dropout)."""
-  first = 0
-  if flax_tp.axis_is_bound(flax_tp.DATA_AXIS):
-    first = flax_tp.shard_index(flax_tp.DATA_AXIS) * local_batch
-  return first + jnp.arange(local_batch)
-
-
-@dataclasses.dataclass(frozen=True)
-class SequenceSplit:
-  """Sequence parallelism's split of the sequence over the model axis.
-
-  ``layout`` is a ``flax_tp.ShardLayout`` of the sequence: ``array_split``
-  blocks, each stored padded to the largest, so a length the axis does not
-  divide works. Between blocks each device holds ``[b, padded_size, d]``; the
-  padding rows are zero after the embedding and never reach a result (they are
-  dropped before attention, the MLP and the head).
-  """
-
-  layout: flax_tp.ShardLayout
-
-  def gather(self, x):
-    """This device's block ``[b, s_pad, ...]`` -> the whole sequence ``[b, s, ...]``
-    (varying: it feeds per-device work; backward reduce-scatters)."""
-    return self.layout.unpad(flax_tp.gather_to_parallel(x, axis=1), 1)
-
-  def for_scatter(self, y):
-    """Per-device partial sums ``[b, s, ...]`` -> their stored form ``[b, parts *
-    s_pad, ...]``, ready for a row layer's reduce-scatter."""
-    return self.layout.pad(y, 1)
-
-  def block(self, whole):
-    """This device's block ``[b, s_pad, ...]`` of a whole-sequence ``[b, s, ...]``."""
-    size = self.layout.padded_size
-    return jax.lax.dynamic_slice_in_dim(self.layout.pad(whole, 1),
-                                        flax_tp.shard_index() * size, size, axis=1)
-
-  def zero_padding(self, x):
-    return jnp.where(self.layout.local_mask(flax_tp.shard_index())[:, None], x,
-                     jnp.zeros((), x.dtype))
+from models.execution import Execution
 
 
 def _dropout(x, key, rate, rows, seq=None):
@@ -81,35 +40,6 @@ def _dropout(x, key, rate, rows, seq=None):
     return ops.dropout(x, key, rate, rows)
   keep = ops.keep_mask(key, rate, rows, (seq.layout.size,) + x.shape[2:])
   return ops.apply_keep(x, seq.block(keep), rate)
-
-
-def _recompute_in_backward(f, state, x, key, rows):
-  """``f(state, x, key, rows)`` keeping only its inputs for the backward pass, which
-  recomputes it there: ``jax.checkpoint`` with nothing saved, made to hold on XLA's CPU
-  backend in an unrolled loop.
-
-  There ``jax.checkpoint``'s recomputation is merged back into the forward pass
-  (its optimization barriers are gone before common-subexpression elimination),
-  so it saves nothing (BENCHMARKS.md §10). Here the recomputation's input carries
-  a zero computed from the incoming cotangent: it can neither be merged with the
-  forward nor run before the gradient of its own block arrives.
-  """
-  @jax.custom_vjp
-  def run(state, x, key, rows):
-    return f(state, x, key, rows)
-
-  def forward(state, x, key, rows):
-    return f(state, x, key, rows), (state, x, key, rows)
-
-  def backward(saved, cotangent):
-    state, x, key, rows = saved
-    # nan_to_num: a non-finite cotangent must not turn the zero into NaN.
-    zero = jnp.nan_to_num(cotangent.reshape(-1)[0].astype(jnp.float32) * 0.0)
-    _, vjp = jax.vjp(lambda s, x: f(s, x, key, rows), state, x + zero.astype(x.dtype))
-    return (*vjp(cotangent), None, None)
-
-  run.defvjp(forward, backward)
-  return run(state, x, key, rows)
 
 
 class ParallelAttention(nnx.Module):
@@ -127,23 +57,8 @@ class ParallelAttention(nnx.Module):
     self.v = flax_tp.ColumnParallelDense(cfg.d_model, kv_layout.size, layout=kv_layout, **qkv)
     self.o = flax_tp.RowParallelDense(width, cfg.d_model, input_is_parallel=True,
                                       shard_unit=cfg.head_dim, use_bias=cfg.attn_out_bias,
-                                      sequence_parallel=cfg.sequence_parallel, **kw)
+                                      **kw)
     self.cfg = cfg
-
-  def _kv_for_query_heads(self) -> tuple[np.ndarray, np.ndarray]:
-    """``[parts, local q heads]``: the local kv head each local query head uses, and
-    whether that query head is real (not padding)."""
-    cfg, q, kv = self.cfg, self.q.layout, self.k.layout
-    group = cfg.num_heads // cfg.kv_heads
-    local = q.padded_size // cfg.head_dim
-    index = np.zeros((q.parts, local), np.int32)
-    real = np.zeros((q.parts, local), bool)
-    for i in range(q.parts):
-      first, count = q.offsets[i] // cfg.head_dim, q.sizes[i] // cfg.head_dim
-      heads = first + np.arange(count)
-      index[i, :count] = heads // group - kv.offsets[i] // cfg.head_dim
-      real[i, :count] = True
-    return index, real
 
   def _project(self, x_bsd, positions=None):
     """This device's query heads ``[b, s, hq_pad, k]`` and kv heads ``[b, s, hkv_pad, k]``
@@ -171,8 +86,8 @@ class ParallelAttention(nnx.Module):
     device = flax_tp.shard_index(self.q.axis_name)
     grouped = cfg.kv_heads != cfg.num_heads
     if grouped:
-      index, real = (jnp.asarray(t)[device] for t in self._kv_for_query_heads())
-      if not self._groups_line_up():
+      index, real = (jnp.asarray(t)[device] for t in self.k.layout.kv_for_query_heads)
+      if not self.k.layout.groups_line_up:
         # Replicated kv heads straddle this device's groups: each query head's own.
         k, v = jnp.take(k, index, axis=2), jnp.take(v, index, axis=2)
       # (else the local query heads are whole groups over the local kv heads, in
@@ -187,19 +102,6 @@ class ParallelAttention(nnx.Module):
       out = jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
     out = out.reshape(b, s, -1)
     return self.o(out if seq is None else seq.for_scatter(out))
-
-  def _groups_line_up(self) -> bool:
-    """Whether every device's query heads are whole groups over its own kv heads, in
-    order (padding over padding), so ``[hq_pad]`` reshapes to ``[hkv_pad, group]``."""
-    cfg = self.cfg
-    group = cfg.num_heads // cfg.kv_heads
-    index, real = self._kv_for_query_heads()
-    kv_local = self.k.layout.padded_size // cfg.head_dim
-    if index.shape[1] != kv_local * group:
-      return False
-    expected = np.arange(index.shape[1]) // group
-    kv_real = np.asarray(self.k.layout.sizes) // cfg.head_dim
-    return bool(np.all(np.where(real, index == expected, expected >= kv_real[:, None])))
 
   def extend(self, x_bsd, cache, positions):
     """One cached step: ``x [b, s, d]`` replicated at ``positions [b, s]`` (consecutive
@@ -217,12 +119,12 @@ class ParallelAttention(nnx.Module):
         c, new.astype(c.dtype), at, axis=0))
     cache_k, cache_v = (write(c, new, positions[:, 0]) for c, new in zip(cache, (k, v),
                                                                            strict=True))
-    if self._groups_line_up():  # read each kv head once for its whole group
+    if self.k.layout.groups_line_up:  # read each kv head once for its whole group
       out = ops.cached_attention(q.reshape(b, s, cache_k.shape[2], -1, cfg.head_dim),
                                  cache_k, cache_v, positions)
     else:  # replicated kv heads straddle a device's groups: pick each query head's
       index, real = (jnp.asarray(t)[flax_tp.shard_index(self.q.axis_name)]
-                     for t in self._kv_for_query_heads())
+                     for t in self.k.layout.kv_for_query_heads)
       out = ops.cached_attention(q[:, :, :, None], jnp.take(cache_k, index, axis=2),
                                  jnp.take(cache_v, index, axis=2), positions)
       out = jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))
@@ -236,8 +138,7 @@ class ParallelMLP(nnx.Module):
     if cfg.mlp == "swiglu":
       self.gate = flax_tp.ColumnParallelDense(cfg.d_model, cfg.d_ff, gather_output=False, **kw)
     self.up = flax_tp.ColumnParallelDense(cfg.d_model, cfg.d_ff, gather_output=False, **kw)
-    self.down = flax_tp.RowParallelDense(cfg.d_ff, cfg.d_model, input_is_parallel=True,
-                                         sequence_parallel=cfg.sequence_parallel, **kw)
+    self.down = flax_tp.RowParallelDense(cfg.d_ff, cfg.d_model, input_is_parallel=True, **kw)
     self.swiglu = cfg.mlp == "swiglu"
 
   def __call__(self, x_bsd, seq=None):
@@ -294,10 +195,10 @@ class Transformer(nnx.Module):
     super().__setstate__(state)
     place_on_mesh(self)
 
-  def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+  def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs,
+               execution: Execution = Execution()):
     self.embed = flax_tp.VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, mesh=mesh,
-                                                dtype=cfg.compute_dtype, rngs=rngs,
-                                                sequence_parallel=cfg.sequence_parallel)
+                                                dtype=cfg.compute_dtype, rngs=rngs)
     self.blocks = nnx.List([ParallelBlock(cfg, mesh=mesh, rngs=rngs)
                             for _ in range(cfg.num_layers)])
     self.ln_f = cfg.norm_layer(rngs)
@@ -306,15 +207,10 @@ class Transformer(nnx.Module):
                                               gather_output=False, mesh=mesh,
                                               dtype=cfg.compute_dtype, rngs=rngs)
     flax_tp.replicate_on_mesh(self, mesh)  # the norms
-    if cfg.scan_layers:
-      # One module holding every block's params stacked [num_layers, ...]: the
-      # scan reads them in place and the optimizer sees one array per kind of
-      # param. Initialised per block first, so the values do not depend on it.
-      self.blocks = flax_tp.stack_layers(list(self.blocks))
-    if cfg.fsdp:  # params (and so the optimizer state) split over "data" too
-      shard_over_data(self)
     self.cfg = cfg
     self.mesh = mesh
+    # Sequence parallelism, scanned layers, FSDP: in one place, in a documented order.
+    execution_lib.apply(self, execution)
 
   @property
   def vocab_layout(self) -> flax_tp.ShardLayout:
@@ -325,11 +221,10 @@ class Transformer(nnx.Module):
     if not flax_tp.axis_is_bound(flax_tp.MODEL_AXIS):
       return self._standalone(tokens_bs, dropout_key)
     cfg = self.cfg
-    rows = _data_rows(tokens_bs.shape[0])
+    rows = global_rows(tokens_bs.shape[0])
     seq = None
-    if cfg.sequence_parallel:
-      seq = SequenceSplit(flax_tp.ShardLayout(tokens_bs.shape[1],
-                                              self.mesh.shape[flax_tp.MODEL_AXIS]))
+    if self.execution.sequence_parallel:
+      seq = SequenceSplit.of(tokens_bs.shape[1], self.mesh.shape[flax_tp.MODEL_AXIS])
       tokens_bs = seq.layout.pad(tokens_bs, 1)
     x = self.embed(tokens_bs)  # sequence parallel: reduce-scattered to this device's block
     if seq is not None:
@@ -341,41 +236,17 @@ class Transformer(nnx.Module):
     return self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
 
   def _blocks(self, x, key, rows, seq):
-    """The blocks in order: a Python loop, or one ``lax.scan`` over their stacked
-    params (``scan_layers``); each block recomputed in backward under ``remat``."""
-    cfg = self.cfg
-    policy = cfg.remat_policy()
-    if cfg.scan_layers:
-      graphdef, stacked = nnx.split(self.blocks)
-
-      def block(state, x, layer):  # FSDP: this layer's params gathered here
-        return nnx.merge(graphdef, gather_block(state))(x, key, layer, rows, seq)
-
-      if policy is not None:
-        block = jax.checkpoint(block, policy=policy)
-      x, _ = jax.lax.scan(lambda x, sl: (block(sl[0], x, sl[1]), None), x,
-                          (stacked, jnp.arange(cfg.num_layers)))
-      return x
-    graphdef = nnx.graphdef(self.blocks[0])  # every block has the same structure
-
-    def block(state, x, layer):  # FSDP: this block's params gathered here
-      return nnx.merge(graphdef, gather_block(state))(x, key, layer, rows, seq)
-
-    for layer, b in enumerate(self.blocks):
-      state = nnx.state(b)
-      if cfg.remat == "block":
-        x = _recompute_in_backward(
-            lambda s, x, k, r, layer=layer: nnx.merge(graphdef, gather_block(s))(
-                x, k, layer, r, seq), state, x, key, rows)
-      elif policy is not None:
-        x = jax.checkpoint(block, policy=policy, static_argnums=(2,))(state, x, layer)
-      else:
-        x = block(state, x, layer)
-    return x
+    """The blocks in order (``flax_tp.remat.run_blocks``): a Python loop, or one
+    ``lax.scan`` over their stacked params; each recomputed in backward under ``remat``."""
+    execution = self.execution
+    return run_blocks(self.blocks, x,
+                      lambda block, x, layer, key, rows: block(x, key, layer, rows, seq),
+                      key, rows, num_layers=self.cfg.num_layers,
+                      scanned=execution.scan_layers, remat=execution.remat)
 
   def _each_block(self):
     """The blocks one by one (a stacked model's as views of one layer's params)."""
-    if not self.cfg.scan_layers:
+    if not self.execution.scan_layers:
       yield from self.blocks
       return
     graphdef, stacked = nnx.split(self.blocks)
@@ -384,7 +255,7 @@ class Transformer(nnx.Module):
 
   def kv_cache_heads(self) -> int:
     """kv heads each device's cache holds (its stored, padded kv heads)."""
-    first = self.blocks if self.cfg.scan_layers else self.blocks[0]
+    first = self.blocks if self.execution.scan_layers else self.blocks[0]
     return first.attn.k.layout.padded_size // self.cfg.head_dim
 
   def extend(self, tokens_bs, cache, positions_bs, last_b):
@@ -428,7 +299,7 @@ def _standalone_logits(graphdef, mesh: Mesh, vocab_layout: flax_tp.ShardLayout, 
   (the blocks' inside each block); without FSDP nothing changes.
   """
   logits = jax.shard_map(
-      lambda s, t, k: nnx.merge(graphdef, gather_for_step(s, per_block=("blocks",)))(
+      lambda s, t, k: nnx.merge(graphdef, gather_for_step(s))(
           t, dropout_key=k), mesh=mesh,
       in_specs=(nnx.get_partition_spec(state), P(flax_tp.DATA_AXIS), P()),
       out_specs=P(flax_tp.DATA_AXIS, None, flax_tp.MODEL_AXIS),

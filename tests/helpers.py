@@ -97,3 +97,14 @@ def write_small_corpus(path, files=40, max_bytes=200_000):
   data = b"\n\n".join(p.read_bytes() for p in stdlib_sources()[:files])[:max_bytes]
   path.write_bytes(data)
   return str(path)
+
+
+def split_execution(options: dict) -> tuple[dict, object]:
+  """``options`` mixing architecture fields and execution fields -> (the architecture
+  fields, a ``models.execution.Execution`` of the others)."""
+  import dataclasses
+
+  from models.execution import Execution
+  names = {f.name for f in dataclasses.fields(Execution)}
+  return ({k: v for k, v in options.items() if k not in names},
+          Execution(**{k: v for k, v in options.items() if k in names}))

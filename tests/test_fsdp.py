@@ -16,6 +16,7 @@ from flax_tp.checkpoint import Checkpointer
 from flax_tp.fsdp import FSDP_DIM
 from flax_tp.hlo import arrays_sent, collectives
 from models.config import TransformerConfig
+from models.execution import Execution
 from models.transformer import Transformer
 from train.step import Trainer, make_optimizer
 
@@ -24,13 +25,14 @@ EVEN = dict(vocab_size=256, d_model=32, num_heads=8, num_kv_heads=4, head_dim=4,
             num_layers=2, max_seq_len=16)
 
 
-def trainer(mesh, cfg, seed=0):
-  return Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed)),
+def trainer(mesh, cfg, seed=0, **execution):
+  return Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed),
+                             execution=Execution(**execution)),
                  make_optimizer(lr=1e-2, steps=4, warmup_steps=1))
 
 
-def train(mesh, cfg, steps=2):
-  t = trainer(mesh, cfg)
+def train(mesh, cfg, steps=2, **execution):
+  t = trainer(mesh, cfg, **execution)
   params, opt_state = t.params, t.init_opt_state(t.params)
   tokens = jax.random.randint(jax.random.key(1), (8, cfg.max_seq_len + 1), 0, cfg.vocab_size)
   tokens = jax.device_put(tokens, t.batch_sharding)
@@ -53,10 +55,10 @@ def test_fsdp_trains_exactly_as_without_it(preset, mesh_spec, options):
   over 4 and 8) and tiny (GPT-style, biases) with AdamW and clipping: the losses,
   gradient norms and params after two steps are those of the run without FSDP (up to
   the order of float sums)."""
-  cfg = TransformerConfig.preset(preset, **options)
+  cfg = TransformerConfig.preset(preset)
   mesh = flax_tp.make_mesh(mesh_spec)
-  _, plain, _, _, plain_out = train(mesh, cfg)
-  t, fsdp, _, _, fsdp_out = train(mesh, TransformerConfig.preset(preset, fsdp=True, **options))
+  _, plain, _, _, plain_out = train(mesh, cfg, **options)
+  t, fsdp, _, _, fsdp_out = train(mesh, cfg, fsdp=True, **options)
   np.testing.assert_allclose(fsdp_out, plain_out, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(flax_tp.unshard(fsdp)), jax.tree.leaves(flax_tp.unshard(plain)),
                   strict=True):
@@ -75,8 +77,8 @@ def test_fsdp_state_per_device_and_collectives(mesh_spec):
   again in backward."""
   mesh = flax_tp.make_mesh(mesh_spec)
   d, m = mesh.shape["data"], mesh.shape["model"]
-  cfg = TransformerConfig.preset("llama-tiny", fsdp=True, **EVEN)
-  t, params, opt_state, tokens, _ = train(mesh, cfg, steps=1)
+  cfg = TransformerConfig.preset("llama-tiny", **EVEN)
+  t, params, opt_state, tokens, _ = train(mesh, cfg, steps=1, fsdp=True)
   logical = sum(x.nbytes for x in jax.tree.leaves(flax_tp.unshard(params)))
   per_device = lambda tree: sum(x.addressable_shards[0].data.nbytes
                                 for x in jax.tree.leaves(tree) if x.ndim)
@@ -98,17 +100,17 @@ def test_fsdp_checkpoints_move_to_runs_without_it_and_back(tmp_path):
   cfg = TransformerConfig.preset("llama-tiny")
   for source, target, source_fsdp in (("2x4", "1x3", True), ("1x3", "4x2", False)):
     folder = tmp_path / f"{source}-{source_fsdp}"
-    saved = trainer(flax_tp.make_mesh(source), TransformerConfig.preset("llama-tiny", fsdp=source_fsdp))
+    saved = trainer(flax_tp.make_mesh(source), cfg, fsdp=source_fsdp)
     state = {"params": saved.params, "opt_state": saved.init_opt_state(saved.params)}
     Checkpointer(folder).save(1, state, {})
-    into = trainer(flax_tp.make_mesh(target), TransformerConfig.preset("llama-tiny",
-                                                            fsdp=not source_fsdp), seed=9)
+    into = trainer(flax_tp.make_mesh(target), cfg, seed=9, fsdp=not source_fsdp)
     restored, _ = Checkpointer(folder).restore(
         {"params": into.params, "opt_state": into.init_opt_state(into.params)})
     for a, b in zip(jax.tree.leaves(flax_tp.unshard(restored["params"])),
                     jax.tree.leaves(flax_tp.unshard(state["params"])), strict=True):
       np.testing.assert_array_equal(a, b)
-    assert cfg.identity() == TransformerConfig.preset("llama-tiny", fsdp=True).identity()
+    # FSDP is no field of the architecture: the run identity cannot depend on it.
+    assert "fsdp" not in cfg.identity()
 
 
 @pytest.mark.parametrize("spec", ["2x4", "4x2"])
@@ -125,8 +127,8 @@ def test_an_fsdp_model_runs_outside_the_step(spec):
   from models.hf import load_hf
   mesh = flax_tp.make_mesh(spec)
   plain = Transformer(TransformerConfig.preset("llama-tiny"), mesh=mesh, rngs=nnx.Rngs(0))
-  fsdp = Transformer(TransformerConfig.preset("llama-tiny", fsdp=True), mesh=mesh,
-                     rngs=nnx.Rngs(0))
+  fsdp = Transformer(TransformerConfig.preset("llama-tiny"), mesh=mesh, rngs=nnx.Rngs(0),
+                     execution=Execution(fsdp=True))
   split = {k: v.sharding for k, v in nnx.to_flat_state(nnx.state(fsdp, nnx.Param))}
   ids = jnp.arange(32).reshape(4, 8) % 259
   call = nnx.jit(lambda m, x: m(x))
@@ -144,7 +146,7 @@ def test_an_fsdp_model_runs_outside_the_step(spec):
                   jax.tree.leaves(flax_tp.unshard(grad(plain, ids))), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   folder = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama"
-  loaded, whole = load_hf(folder, mesh, fsdp=True), load_hf(folder, mesh)
+  loaded, whole = load_hf(folder, mesh, execution=Execution(fsdp=True)), load_hf(folder, mesh)
   ids = jnp.arange(16).reshape(4, 4) * 3
   np.testing.assert_array_equal(call(loaded, ids), call(whole, ids))
   unshard_over_data(fsdp)
@@ -178,3 +180,36 @@ def test_the_cli_says_what_fsdp_leaves_whole_and_resumes_without_it(tmp_path, ca
   losses = lambda path: [r["loss"] for r in map(json.loads, path.read_text().splitlines())
                          if "loss" in r]
   np.testing.assert_allclose(losses(first)[:2] + losses(second), losses(plain), rtol=1e-5)
+
+
+def test_an_fsdp_block_not_gathered_is_an_error_saying_what_to_call():
+  """The step leaves a block's FSDP-split params split for the block runner to gather
+  (what the params record, FSDP_PER_BLOCK); a block called on them without gathering
+  fails naming the param and what to call, and gather_block outside a map over "data"
+  refuses split params instead of passing them through."""
+  from jax.sharding import PartitionSpec as P
+
+  from flax_tp.data_parallel import FSDP_PER_BLOCK, gather_block, gather_for_step
+  mesh = flax_tp.make_mesh("2x4")
+  model = Transformer(TransformerConfig.preset("llama-tiny", **EVEN), mesh=mesh,
+                      rngs=nnx.Rngs(0), execution=Execution(fsdp=True))
+  per_block = {".".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+               if v.get_metadata().get(FSDP_PER_BLOCK)}
+  assert per_block and all(p.startswith("blocks.") for p in per_block)
+  graphdef, state = nnx.split(model)
+  block_def = nnx.graphdef(model.blocks[0])
+  x = jnp.zeros((4, 16, EVEN["d_model"]))
+
+  def ungathered(state, x):
+    params = gather_for_step(state)
+    block = nnx.merge(block_def, nnx.state(nnx.merge(graphdef, params).blocks[0]))
+    return block.mlp(x)  # (an nnx norm on a split scale fails in JAX's own words first)
+
+  run = jax.shard_map(ungathered, mesh=mesh, in_specs=(nnx.get_partition_spec(state),
+                                                       P("data")), out_specs=P("data"))
+  with pytest.raises(ValueError, match=r"ColumnParallelDense\.kernel is \(16, 16\) on this "
+                     r"device, expected \(32, 16\); it is split over 'data' \(FSDP\).*"
+                     r"gather_block"):
+    jax.eval_shape(run, state, x)
+  with pytest.raises(ValueError, match=r"split over 'data' \(FSDP\).*not inside a shard_map"):
+    gather_block(nnx.state(model.blocks[0]))

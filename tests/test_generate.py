@@ -13,6 +13,7 @@ from flax import nnx
 import flax_tp
 from flax_tp import hlo
 from models.config import TransformerConfig
+from models.execution import Execution
 from models.generate import Sampling, decoder_for, generate, stream
 from models.hf import load_hf
 from models.transformer import Transformer
@@ -30,7 +31,7 @@ def test_greedy_equals_transformers_generate(meshes, name, mesh_spec, options):
   A model set up for training's memory options (stacked blocks, SP) decodes too."""
   expected = np.load(FIXTURES / name / "generate.npz")
   ids = np.load(FIXTURES / name / "expected.npz")["ids"]
-  model = load_hf(FIXTURES / name, meshes[mesh_spec], **options)
+  model = load_hf(FIXTURES / name, meshes[mesh_spec], execution=Execution(**options))
   eos = int(expected["eos_id"])
   out = generate(model, ids, lengths=expected["lengths"], max_new_tokens=16,
                  eos_id=None if eos < 0 else eos)

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import flax_tp
+from models.execution import Execution
 from models.hf import HFConfigError, config_from_hf, load_hf, save_hf, to_hf_state_dict
 from train.step import Trainer, make_optimizer
 
@@ -38,8 +39,9 @@ def test_fixture_logits_loss_and_grads(meshes, name, mesh_spec, scan_layers):
   With ``scan_layers`` the blocks' params are loaded into (and their gradients
   exported from) one stacked module."""
   expected = np.load(FIXTURES / name / "expected.npz")
-  model = load_hf(FIXTURES / name, meshes[mesh_spec], scan_layers=scan_layers)
-  assert model.cfg.scan_layers == scan_layers
+  model = load_hf(FIXTURES / name, meshes[mesh_spec],
+                  execution=Execution(scan_layers=scan_layers))
+  assert model.execution.scan_layers == scan_layers
   ids = expected["ids"]
   logits = jax.jit(lambda t: model(t))(jnp.asarray(ids, jnp.int32))
   np.testing.assert_allclose(logits, expected["logits"], rtol=1e-5, atol=1e-5)
@@ -56,7 +58,8 @@ def test_save_hf_round_trip(tmp_path, meshes, name):
   """save_hf writes what load_hf (and transformers, below) reads back: same tensors
   (Qwen2's through stacked blocks)."""
   from safetensors.numpy import load_file
-  model = load_hf(FIXTURES / name, meshes["2x4"], scan_layers=name == "qwen2")
+  model = load_hf(FIXTURES / name, meshes["2x4"],
+                  execution=Execution(scan_layers=name == "qwen2"))
   save_hf(model, tmp_path)
   original = {k: v for k, v in load_file(FIXTURES / name / "model.safetensors").items()}
   written = load_file(tmp_path / "model.safetensors")

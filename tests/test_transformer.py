@@ -6,11 +6,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_padding_zero, assert_state_close
+from helpers import assert_padding_zero, assert_state_close, split_execution
 
 import flax_tp
 from flax_tp.hlo import collectives, tally
 from models.config import TransformerConfig
+from models.execution import Execution
 from models.reference import ReferenceTransformer, reference_loss
 from models.transformer import Transformer
 from train.step import Trainer, clip_by_logical_norm, make_optimizer
@@ -96,9 +97,10 @@ def test_untied_head_bfloat16(meshes, dtype):
 
 
 def compiled_step_collectives(meshes, num_layers, listed=False, **options):
+  options, execution = split_execution(options)
   cfg = TransformerConfig.tiny(num_layers=num_layers, **options)
   mesh = meshes["2x4"]
-  trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)), tx())
+  trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0), execution=execution), tx())
   opt_state = trainer.init_opt_state(trainer.params)
   hlo = trainer.train_step.lower(trainer.params, opt_state,
                                  jax.device_put(TOKENS, trainer.batch_sharding),
@@ -274,8 +276,9 @@ MEMORY_TOKENS = jax.random.randint(jax.random.key(2), (4, 16), 0, 259)
 
 
 def gqa_loss_and_grads(meshes, **options):
-  cfg = TransformerConfig.preset("llama-tiny", dropout=0.1, **options)
-  trainer = Trainer(Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0)), tx())
+  cfg = TransformerConfig.preset("llama-tiny", dropout=0.1)
+  trainer = Trainer(Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0),
+                                execution=Execution(**options)), tx())
   return jax.jit(trainer.loss_and_grads)(trainer.params,
                                          jax.device_put(MEMORY_TOKENS, trainer.batch_sharding),
                                          jax.random.key(3))
@@ -310,8 +313,10 @@ def test_memory_options_with_replicated_kv_heads(meshes, gqa_plain, options):
 
 def lowered_step_lines(meshes, **options) -> int:
   """Lines of the train step's StableHLO program (lowered, not compiled)."""
+  options, execution = split_execution(options)
   cfg = TransformerConfig.preset("llama-tiny", **options)
-  trainer = Trainer(Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0)), tx())
+  trainer = Trainer(Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0),
+                                execution=execution), tx())
   tokens = jax.ShapeDtypeStruct((4, 17), jnp.int32, sharding=trainer.batch_sharding)
   lowered = trainer.train_step.lower(trainer.params, trainer.init_opt_state(trainer.params),
                                      tokens, None)

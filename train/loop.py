@@ -23,9 +23,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, describe_not_ours
-from flax_tp.fsdp import FSDP_DIM, unshard_over_data
+from flax_tp.data_parallel import FSDP_DIM, unshard_over_data
 from flax_tp.run_lock import LOCK_NAME, FolderInUse, FolderLock
 from models.config import TransformerConfig
+from models.execution import Execution
 from models.hf import HFConfigError, load_hf, read_config
 from models.transformer import Transformer
 from train.data import HFTokenizer, TokenCorpus
@@ -323,9 +324,9 @@ def _run(args: argparse.Namespace) -> int:
   if args.batch_size % data_size:
     raise UsageError(f"--batch-size {args.batch_size} is not divisible by the {data_size}-way "
                      f"data axis of --mesh {args.mesh}")
-  overrides = dict(max_seq_len=args.seq_len, dropout=args.dropout, dtype=args.dtype,
-                   sequence_parallel=args.sequence_parallel, remat=args.remat,
-                   scan_layers=args.scan_layers, fsdp=args.fsdp)
+  overrides = dict(max_seq_len=args.seq_len, dropout=args.dropout, dtype=args.dtype)
+  execution = Execution(sequence_parallel=args.sequence_parallel, remat=args.remat,
+                        scan_layers=args.scan_layers, fsdp=args.fsdp)
   tokenizer = None
   if args.init_from:
     cfg, tokenizer = hf_model_and_tokenizer(args.init_from, overrides)
@@ -351,11 +352,11 @@ def _run(args: argparse.Namespace) -> int:
 
   if args.init_from and start == 0:
     try:
-      model = load_hf(args.init_from, mesh, seed=args.seed, **overrides)
+      model = load_hf(args.init_from, mesh, seed=args.seed, execution=execution, **overrides)
     except (ValueError, OSError) as err:  # missing or misshapen tensors: bad input
       raise UsageError(f"--init-from {args.init_from!r}: {err}") from None
   else:  # a fresh model, or one a checkpoint then overwrites
-    model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(args.seed))
+    model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(args.seed), execution=execution)
   tx = make_optimizer(lr=args.lr, steps=args.steps, warmup_steps=args.warmup_steps,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip)
   trainer = Trainer(model, tx, LossOptions(args.label_smoothing, args.z_loss))
@@ -378,17 +379,14 @@ def _run(args: argparse.Namespace) -> int:
     console.print(f"processes: {jax.process_count()} x {jax.local_device_count()} devices; the "
                   f"model axis {'stays inside' if local_rows else 'spans'} a process")
   origin = f"from {args.init_from!r}" if args.init_from else f"preset {args.preset or 'small'}"
-  options = [name for name, on in (("sequence parallel", cfg.sequence_parallel),
-                                   (f"remat {cfg.remat}", cfg.remat != "none"),
-                                   ("scanned layers", cfg.scan_layers),
-                                   ("FSDP over data", cfg.fsdp)) if on]
+  options = execution.describe()
   console.print(f"model: {origin}, {summary['params']:,} params | per device: "
                 f"sharded {_mib(summary['sharded_bytes_per_device'])}, replicated "
                 f"{_mib(summary['replicated_bytes_per_device'])}"
                 + (f" | {', '.join(options)}" if options else ""))
   console.print(f"data: {corpus.describe()} | unigram entropy {corpus.unigram_entropy():.3f} "
                 f"nats | batch {args.batch_size} x {args.seq_len} tokens")
-  if cfg.fsdp and data_size > 1:  # never silently less sharded than asked
+  if execution.fsdp and data_size > 1:  # never silently less sharded than asked
     whole = [".".join(map(str, path)) for path, var in nnx.to_flat_state(params)
              if FSDP_DIM not in var.get_metadata()]
     if whole:

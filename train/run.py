@@ -35,7 +35,8 @@ from train.errors import (
 if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there is one line
   exit_on_interrupt("train/run.py")
 
-from models.config import REMAT_CHOICES, TransformerConfig
+from flax_tp.remat import REMAT_CHOICES
+from models.config import TransformerConfig
 from train import distributed as train_distributed
 
 DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=128, lr=3e-3,

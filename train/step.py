@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_tp
-from flax_tp.fsdp import gather_for_step
+from flax_tp.data_parallel import gather_for_step
 from models.transformer import Transformer
 
 
@@ -132,8 +132,8 @@ class Trainer:
     # Mark the params as per-replica once, here: backward then sums each param's
     # gradient locally (the tied embedding is used twice) and all-reduces it over
     # "data" once, instead of once per use; a param split over "data" (FSDP) is
-    # all-gathered here instead, and its gradient reduce-scattered.
-    params = gather_for_step(params, per_block=("blocks",))
+    # all-gathered here instead (a block's by the block), its gradient reduce-scattered.
+    params = gather_for_step(params)
     model = nnx.merge(self.graphdef, params)
     logits = model(tokens[:, :-1], dropout_key=key)
     labels = tokens[:, 1:] if labels is None else labels

@@ -66,14 +66,16 @@ def step_tallies() -> dict[str, dict]:
   import flax_tp
   from flax_tp.hlo import collectives, tally
   from models.config import TransformerConfig
+  from models.execution import Execution
   from models.transformer import Transformer
   from train.step import Trainer, make_optimizer
 
   out = {}
   for preset, spec, fsdp in STEP_CONFIGS:
     mesh = flax_tp.make_mesh(spec)
-    cfg = TransformerConfig.preset(preset, fsdp=fsdp)
-    trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)),
+    cfg = TransformerConfig.preset(preset)
+    trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0),
+                                  execution=Execution(fsdp=fsdp)),
                       make_optimizer(lr=1e-3, steps=3))
     tokens = jax.device_put(
         jax.random.randint(jax.random.key(1), (8, cfg.max_seq_len + 1), 0, cfg.vocab_size),
@@ -89,13 +91,16 @@ def param_paths() -> dict[str, list[str]]:
 
   import flax_tp
   from models.config import TransformerConfig
+  from models.execution import Execution
   from models.transformer import Transformer
 
   out = {}
   for preset, options in (("tiny", {}), ("llama-tiny", {}), ("llama-tiny", {"scan_layers": True}),
                           ("tiny", {"tie_embeddings": False})):
-    model = Transformer(TransformerConfig.preset(preset, **options),
-                        mesh=flax_tp.make_mesh("2x4"), rngs=nnx.Rngs(0))
+    scan = options.get("scan_layers", False)
+    model = Transformer(TransformerConfig.preset(
+        preset, **{k: v for k, v in options.items() if k != "scan_layers"}),
+        mesh=flax_tp.make_mesh("2x4"), rngs=nnx.Rngs(0), execution=Execution(scan_layers=scan))
     key = preset + "".join(f"+{k}" for k in options)
     out[key] = [".".join(map(str, path)) + f" {tuple(leaf[...].shape)}"
                 for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param))]

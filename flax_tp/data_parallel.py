@@ -1,0 +1,257 @@
+"""The data axis: data parallelism and fully sharded data parallelism (ZeRO-3) over
+``"data"``, beside tensor parallelism over ``"model"``.
+
+Data parallelism: inside the step's ``shard_map`` each replicated param is marked
+per-replica once (``gather_for_step``), so backward sums its gradient locally (a tied
+embedding is used twice) and all-reduces it over ``"data"`` once.
+
+With tensor parallelism alone every data replica holds whole copies of its model
+shard's params, gradients and optimizer state. ``shard_over_data`` splits each param
+once more, over the ``"data"`` axis, on its *FSDP dimension*: the largest dimension,
+other than the one split over ``"model"``, that the data axis divides. A param that
+tensor parallelism leaves whole (a norm's scale) is split over both axes when their
+``D * M`` devices divide it; one split over ``"model"`` on its only dimension (a column
+layer's bias) has each model shard split over ``"data"``. The optimizer's moments
+follow the params' sharding, so params, gradients and Adam state all take
+``1 / (D * M)`` of the whole per device.
+
+In a step (``train.step.Trainer``), ``gather_for_step`` runs inside the step's
+``shard_map``; the params that ``shard_over_data(..., per_block=...)`` recorded as a
+block's (``FSDP_PER_BLOCK``) are left split there, and the block runner
+(``flax_tp.remat.run_blocks``) calls ``gather_block`` on each block's own params (a
+scanned layer's inside the scan): each sharded param is all-gathered over ``"data"``
+back to this device's model shard, under ``jax.checkpoint``, so the gathered copy is
+not kept for the backward pass but gathered again where backward needs it; the gradient
+then leaves the transpose of that all-gather as a reduce-scatter over ``"data"``
+(each device keeps the sum of its slice), replacing data parallelism's all-reduce. A
+param split over both axes is first gathered over ``"model"`` (its backward keeps this
+device's slice: the gradient is the same on every model device), then over ``"data"``.
+The layers see exactly the params they would without FSDP, so the results are
+the same. A param the data axis can split nowhere (a bias of 90 over 4 devices: model
+shards of 23, over a 2-way data axis) stays replicated over ``"data"``
+(``shard_over_data`` returns them). XLA:CPU merges a recomputed gather back into the
+forward pass of an unrolled program (as it does all recomputation there), so there the
+gathered params stay for backward; inside a scan they are gathered again.
+
+Checkpoints hold logical values, so they move between runs with and without FSDP.
+An FSDP model called outside the step (``model(ids)``, ``nnx.jit``) gathers as the step
+does (the transformer's own map calls ``gather_for_step``); generation takes the params
+once, replicated over ``"data"`` (``whole_over_data``), for all its tokens;
+``unshard_over_data`` puts a model back that way in place (the standalone layers, export).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from flax_tp.collectives import all_gather, axis_is_bound, copy_to_parallel, shard_index
+from flax_tp.mesh import DATA_AXIS, MODEL_AXIS
+
+__all__ = ["FSDP_DIM", "FSDP_PER_BLOCK", "fsdp_dim", "gather_block", "gather_for_step",
+           "global_rows", "shard_over_data", "unshard_over_data", "whole_over_data"]
+
+FSDP_DIM = "fsdp_dim"  # metadata: the param dimension split over "data" (and maybe "model")
+# metadata (in memory only): a block's param, gathered by the block (gather_block), not
+# by gather_for_step, so that one block's params are whole at a time
+FSDP_PER_BLOCK = "fsdp_per_block"
+
+
+def global_rows(local_batch: int) -> jax.Array:
+  """``[local_batch]``: the global batch-row ids of this device's rows (its data shard's
+  rows in the global batch), so that per-row randomness (dropout) does not depend on
+  the mesh. Outside a map over ``"data"``: ``0 .. local_batch - 1``."""
+  first = 0
+  if axis_is_bound(DATA_AXIS):
+    first = shard_index(DATA_AXIS) * local_batch
+  return first + jnp.arange(local_batch)
+
+
+def _params(module_or_state: Any) -> list[nnx.Variable]:
+  state = (nnx.state(module_or_state, nnx.Param) if isinstance(module_or_state, nnx.Module)
+           else module_or_state)
+  return [var for _, var in nnx.to_flat_state(state)]
+
+
+def fsdp_dim(var: nnx.Variable, devices: int) -> int | None:
+  """The dimension of ``var`` to split over ``devices``: the largest one that is not
+  split otherwise (nor a stacked param's layer axis) and that ``devices`` divides;
+  None when there is none."""
+  meta = var.get_metadata()
+  names = tuple(meta.get("out_sharding") or ())
+  shape = var[...].shape
+  stacked = 1 if "tp_layers" in meta else 0
+  free = [d for d in range(stacked, len(shape))
+          if (names[d] if d < len(names) else None) is None and shape[d] % devices == 0]
+  return max(free, key=lambda d: (shape[d], -d)) if free else None
+
+
+def _within_model_shards(var: nnx.Variable, meta: dict, data_size: int) -> int | None:
+  """The model-split dim of ``var`` when ``data_size`` divides each model shard of it
+  (and no kv head is stored twice, whose norm weights are per model shard); else None."""
+  layout, dim = meta.get("tp_layout"), meta.get("tp_dim")
+  if layout is None or getattr(layout, "replicated", False):
+    return None
+  if meta["out_sharding"][dim] != MODEL_AXIS or layout.padded_size % data_size:
+    return None
+  return dim
+
+
+def shard_over_data(module: nnx.Module, *, per_block: tuple[nnx.Module, ...] = ()
+                    ) -> list[str]:
+  """Splits every param of ``module`` that lives on a mesh with a ``"data"`` axis over
+  that axis too, in place (see the module docstring). The params of the submodules
+  ``per_block`` (a model's blocks: an ``nnx.List`` of them, or their stacked module) are
+  recorded as gathered by their block (``FSDP_PER_BLOCK``): whoever runs the blocks must
+  call ``gather_block`` on each (``flax_tp.remat.run_blocks`` does). Returns the paths
+  of the params left replicated over ``"data"`` (no dimension it divides), for the
+  caller to report."""
+  kept = []
+  in_blocks = {id(var) for sub in per_block for _, var in nnx.to_flat_state(
+      nnx.state(sub, nnx.Param))}
+  for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+    meta = var.get_metadata()
+    mesh, names = meta.get("mesh"), meta.get("out_sharding")
+    if mesh is None or names is None or DATA_AXIS not in mesh.axis_names:
+      raise ValueError(f"param {'.'.join(map(str, path))} is not on a mesh with a "
+                       f"{DATA_AXIS!r} axis (see flax_tp.replicate_on_mesh)")
+    if FSDP_DIM in meta:
+      continue
+    size = mesh.shape[DATA_AXIS]
+    if size == 1:
+      continue
+    new = list(names) + [None] * (var[...].ndim - len(names))
+    both = size * mesh.shape.get(MODEL_AXIS, 1)
+    # Whole under tensor parallelism (a norm's scale): split over both axes if it can be.
+    dim = fsdp_dim(var, both) if not any(new) and both > size else None
+    axes: Any = (DATA_AXIS, MODEL_AXIS)
+    if dim is None:
+      dim, axes = fsdp_dim(var, size), DATA_AXIS
+    if dim is None:  # only the model-split dim (a column layer's bias): split its shards
+      dim, axes = _within_model_shards(var, meta, size), (MODEL_AXIS, DATA_AXIS)
+    if dim is None:
+      kept.append(".".join(map(str, path)))
+      continue
+    new[dim] = axes
+    var.set_value(jax.device_put(var[...], NamedSharding(mesh, P(*new))))
+    var.set_metadata(out_sharding=tuple(new), **{FSDP_DIM: dim})
+    if id(var) in in_blocks:
+      var.set_metadata(**{FSDP_PER_BLOCK: True})
+  return kept
+
+
+def _names_whole_over_data(meta: dict) -> tuple:
+  """A split param's ``out_sharding`` with its ``"data"`` split taken out."""
+  names = list(meta["out_sharding"])
+  dim = meta[FSDP_DIM]
+  names[dim] = MODEL_AXIS if names[dim] == (MODEL_AXIS, DATA_AXIS) else None
+  return tuple(names)
+
+
+def whole_over_data(state: nnx.State, *, place: bool = True) -> nnx.State:
+  """A copy of ``state`` (a module's state, or its params) whose params split over
+  ``"data"`` are replicated over it again (their layout without FSDP: what the
+  standalone layers and generation read); the others are the same objects. ``place``:
+  all-gather the values (``False``: only the metadata, e.g. for partition specs).
+  ``state`` itself is unchanged."""
+  def one(var: nnx.Variable) -> nnx.Variable:
+    if not isinstance(var, nnx.Variable) or FSDP_DIM not in var.get_metadata():
+      return var
+    meta = var.get_metadata()
+    names = _names_whole_over_data(meta)
+    value = var[...]
+    if place:
+      value = jax.device_put(value, NamedSharding(meta["mesh"], P(*names)))
+    new = var.replace(value, out_sharding=names)
+    new.del_metadata(FSDP_DIM)
+    if FSDP_PER_BLOCK in meta:
+      new.del_metadata(FSDP_PER_BLOCK)
+    return new
+
+  return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def unshard_over_data(module: nnx.Module) -> nnx.Module:
+  """Puts ``module``'s params back to replicated over ``"data"`` (the layout the
+  standalone layers read), in place; returns ``module``."""
+  for var in _params(module):
+    meta = var.get_metadata()
+    if FSDP_DIM not in meta:
+      continue
+    names = _names_whole_over_data(meta)
+    var.set_value(jax.device_put(var[...], NamedSharding(meta["mesh"], P(*names))))
+    var.set_metadata(out_sharding=names)
+    var.del_metadata(FSDP_DIM)
+    if FSDP_PER_BLOCK in meta:
+      var.del_metadata(FSDP_PER_BLOCK)
+  return module
+
+
+def _gathered(var: nnx.Variable) -> nnx.Variable:
+  """``var`` all-gathered over ``"data"`` (and first ``"model"``) on its FSDP dim, under
+  ``jax.checkpoint``; a layer's slice of a stacked param too (its dims shift by one)."""
+  meta = var.get_metadata()
+  names = meta["out_sharding"]
+  dim = meta[FSDP_DIM]
+  # ("data", "model"): whole under tensor parallelism, so gathered over "model" too;
+  # "data", or ("model", "data") (a model shard split over "data"): over "data" only.
+  over_model = names[dim] == (DATA_AXIS, MODEL_AXIS)
+  dim -= len(names) - var[...].ndim  # a scanned layer's slice of a stacked param
+
+  def gather(x):
+    if over_model:  # invariant over "model": backward keeps this device's slice
+      x = all_gather(x, axis=dim, axis_name=MODEL_AXIS)
+    return jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
+
+  return var.replace(jax.checkpoint(gather)(var[...]))
+
+
+def _is_var(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def gather_for_step(params: nnx.State) -> nnx.State:
+  """Inside a ``shard_map`` over ``("data", "model")``: each param as the layers use it.
+
+  A param split over ``"data"`` is all-gathered over it (tiled, on its FSDP dim) under
+  ``jax.checkpoint``: backward gathers it again where needed, and its gradient is
+  reduce-scattered over ``"data"``. Those recorded as a block's (``FSDP_PER_BLOCK``)
+  are left split: the block runner gathers them block by block (``gather_block``), so
+  one block's params are whole at a time. Every other param is marked per-replica
+  (``copy_to_parallel``): its gradient is all-reduced over ``"data"`` once.
+  """
+  def one(var: nnx.Variable) -> nnx.Variable:
+    meta = var.get_metadata()
+    if FSDP_DIM not in meta:
+      return var.replace(copy_to_parallel(var[...], DATA_AXIS))
+    if meta.get(FSDP_PER_BLOCK):
+      return var
+    return _gathered(var)
+
+  return jax.tree.map(one, params, is_leaf=_is_var)
+
+
+def gather_block(state: nnx.State) -> nnx.State:
+  """A block's params (or a scanned layer's slice) with those split over ``"data"``
+  gathered, inside a ``shard_map`` over ``"data"`` (the step's, or the standalone
+  model's); a state without such params is returned as it is, anywhere.
+
+  Outside such a map a param split over ``"data"`` cannot be gathered there: that is
+  an error naming what to call, never a silent pass-through of a partial param.
+  """
+  split = [v for v in jax.tree.leaves(state, is_leaf=_is_var)
+           if isinstance(v, nnx.Variable) and FSDP_DIM in v.get_metadata()]
+  if not split:
+    return state
+  if DATA_AXIS not in jax.sharding.get_abstract_mesh().manual_axes:
+    raise ValueError(
+        f"gather_block: {len(split)} param(s) are split over {DATA_AXIS!r} (FSDP) and "
+        f"this is not inside a shard_map over {DATA_AXIS!r}: call the model itself (it "
+        f"maps itself), or take the params whole first "
+        f"(flax_tp.data_parallel.whole_over_data / unshard_over_data)")
+  return jax.tree.map(lambda v: _gathered(v) if FSDP_DIM in v.get_metadata() else v,
+                      state, is_leaf=_is_var)

@@ -1,0 +1,103 @@
+"""Recomputation in backward, and the block runner (a loop or a scan, remat, FSDP gather).
+
+``run_blocks`` runs a model's blocks in order: a Python loop over an ``nnx.List`` of
+blocks, or one ``jax.lax.scan`` over a module holding their params stacked
+(``flax_tp.stack_layers``); each block recomputed in backward as ``remat`` says
+(``REMAT_CHOICES``); each block's params split over ``"data"`` (FSDP) gathered at the
+start of that block, inside its recomputation, so backward gathers them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flax_tp.data_parallel import gather_block
+
+# "block" recomputes a whole block (nothing saved); the rest are jax.checkpoint_policies.
+REMAT_CHOICES = ("none", "block", "nothing_saveable", "dots_saveable",
+                 "dots_with_no_batch_dims_saveable", "checkpoint_dots",
+                 "checkpoint_dots_with_no_batch_dims", "everything_saveable")
+
+
+def remat_policy(remat: str) -> Callable | None:
+  """The ``jax.checkpoint`` policy of ``remat`` (one of ``REMAT_CHOICES``), or None
+  (no recomputation)."""
+  if remat not in REMAT_CHOICES:
+    raise ValueError(f"remat must be one of {REMAT_CHOICES}, got {remat!r}")
+  if remat == "none":
+    return None
+  return getattr(jax.checkpoint_policies, "nothing_saveable" if remat == "block" else remat)
+
+
+def recompute_in_backward(f: Callable, state: Any, x: jax.Array, *extra: Any) -> jax.Array:
+  """``f(state, x, *extra)`` keeping only its inputs for the backward pass, which
+  recomputes it there: ``jax.checkpoint`` with nothing saved, made to hold on XLA's CPU
+  backend in an unrolled loop. ``extra`` (keys, row ids) gets no gradient.
+
+  There ``jax.checkpoint``'s recomputation is merged back into the forward pass
+  (its optimization barriers are gone before common-subexpression elimination),
+  so it saves nothing (BENCHMARKS.md §10). Here the recomputation's input carries
+  a zero computed from the incoming cotangent: it can neither be merged with the
+  forward nor run before the gradient of its own block arrives.
+  """
+  @jax.custom_vjp
+  def run(state, x, *extra):
+    return f(state, x, *extra)
+
+  def forward(state, x, *extra):
+    return f(state, x, *extra), (state, x, extra)
+
+  def backward(saved, cotangent):
+    state, x, extra = saved
+    # nan_to_num: a non-finite cotangent must not turn the zero into NaN.
+    zero = jnp.nan_to_num(cotangent.reshape(-1)[0].astype(jnp.float32) * 0.0)
+    _, vjp = jax.vjp(lambda s, x: f(s, x, *extra), state, x + zero.astype(x.dtype))
+    return (*vjp(cotangent), *(None for _ in extra))
+
+  run.defvjp(forward, backward)
+  return run(state, x, *extra)
+
+
+def run_blocks(blocks: nnx.Module, x: jax.Array, call: Callable, *extra: Any,
+               num_layers: int, scanned: bool, remat: str = "none") -> jax.Array:
+  """``x`` through ``num_layers`` blocks in order: ``call(block, x, layer, *extra)`` each.
+
+  blocks: an ``nnx.List`` of blocks of one structure, or (``scanned``) one module of
+  their params stacked ``[num_layers, ...]``, which ``jax.lax.scan`` reads in place
+  (``layer`` is then a traced int). ``extra`` (keys, row ids) is passed through
+  unchanged and gets no gradient. Inside a ``shard_map`` over ``"data"``, each block's
+  params split over it (FSDP) are gathered at the block's start.
+  """
+  policy = remat_policy(remat)
+  if scanned:
+    graphdef, stacked = nnx.split(blocks)
+
+    def layer_step(state, x, layer):  # FSDP: this layer's params gathered here
+      return call(nnx.merge(graphdef, gather_block(state)), x, layer, *extra)
+
+    if policy is not None:
+      layer_step = jax.checkpoint(layer_step, policy=policy)
+    x, _ = jax.lax.scan(lambda x, sl: (layer_step(sl[0], x, sl[1]), None), x,
+                        (stacked, jnp.arange(num_layers)))
+    return x
+  graphdef = nnx.graphdef(blocks[0])  # every block has the same structure
+
+  def block_step(state, x, layer):  # FSDP: this block's params gathered here
+    return call(nnx.merge(graphdef, gather_block(state)), x, layer, *extra)
+
+  for layer, block in enumerate(blocks):
+    state = nnx.state(block)
+    if remat == "block":
+      x = recompute_in_backward(
+          lambda s, x, *e, layer=layer: call(nnx.merge(graphdef, gather_block(s)), x, layer,
+                                             *e), state, x, *extra)
+    elif policy is not None:
+      x = jax.checkpoint(block_step, policy=policy, static_argnums=(2,))(state, x, layer)
+    else:
+      x = block_step(state, x, layer)
+  return x

@@ -1,0 +1,88 @@
+"""How a step runs, apart from what the model is (``models.config.TransformerConfig``).
+
+An ``Execution`` changes no result and no param: a checkpoint moves between runs that
+differ only in it, and ``TransformerConfig.identity()`` (what a checkpoint must match)
+knows nothing of it. It is given to ``Transformer``, ``load_hf`` and the trainer (through
+the model), and applied to a built model in one place, ``apply``, in this order:
+
+1. sequence parallelism: the layers that close a tensor-parallel region (the embedding,
+   each block's attention output and MLP down projection) reduce-scatter over the
+   sequence instead of all-reducing (Megatron-SP); it changes no param;
+2. scanned layers: the blocks' params stacked ``[num_layers, ...]`` into one module
+   (after 1, so the stacked module's graph carries it);
+3. FSDP: every param split over ``"data"`` too (last: it splits the stacked params
+   once, on their final shapes).
+
+Recomputation (``remat``) is read when the blocks run (``flax_tp.remat.run_blocks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flax import nnx
+
+import flax_tp
+from flax_tp.remat import REMAT_CHOICES
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+  sequence_parallel: bool = False  # Megatron-SP: [b, s/M, d] between blocks
+  remat: str = "none"  # "block" or a jax.checkpoint_policies name: recompute in backward
+  scan_layers: bool = False  # jax.lax.scan over the blocks: compile time flat in depth
+  fsdp: bool = False  # params, gradients, optimizer state split over "data" too (ZeRO-3)
+
+  def __post_init__(self):
+    if self.remat not in REMAT_CHOICES:
+      raise ValueError(f"remat must be one of {REMAT_CHOICES}, got {self.remat!r}")
+
+  def describe(self) -> list[str]:
+    """The options in effect, in words (the training CLI's start-up line)."""
+    return [name for name, on in (("sequence parallel", self.sequence_parallel),
+                                  (f"remat {self.remat}", self.remat != "none"),
+                                  ("scanned layers", self.scan_layers),
+                                  ("FSDP over data", self.fsdp)) if on]
+
+
+def set_sequence_parallel(model: Any, on: bool) -> None:
+  """Step 1 of ``apply`` on ``model`` (a ``Transformer``), in place: its region-closing
+  layers scatter over the sequence (``on``) or all-reduce."""
+  model.embed.sequence_parallel = on
+  blocks = [model.blocks] if isinstance(model.blocks, nnx.Module) and not isinstance(
+      model.blocks, nnx.List) else list(model.blocks)
+  for block in blocks:
+    block.attn.o.sequence_parallel = on
+    block.mlp.down.sequence_parallel = on
+
+
+def apply(model: Any, execution: Execution) -> list[str]:
+  """Applies ``execution`` to a freshly built ``Transformer`` (blocks in an ``nnx.List``,
+  nothing split over ``"data"``), in place, in the module docstring's order. Returns the
+  params FSDP leaves replicated over ``"data"`` (none divides), for the caller to report."""
+  set_sequence_parallel(model, execution.sequence_parallel)
+  if execution.scan_layers:
+    # One module holding every block's params stacked [num_layers, ...]: the scan
+    # reads them in place and the optimizer sees one array per kind of param.
+    # Initialised per block first, so the values do not depend on it.
+    model.blocks = flax_tp.stack_layers(list(model.blocks))
+  kept = []
+  if execution.fsdp:  # params (and so the optimizer state) split over "data" too
+    kept = flax_tp.data_parallel.shard_over_data(model, per_block=(model.blocks,))
+  model.execution = execution
+  return kept
+
+
+def view(model: Any, execution: Execution) -> Any:
+  """The same params as ``model`` (shared, not copied) under another ``execution`` that
+  differs only in what changes no param (sequence parallelism, remat): e.g. the
+  decoder's, which has no sequence to split."""
+  held = model.execution
+  if (held.scan_layers, held.fsdp) != (execution.scan_layers, execution.fsdp):
+    raise ValueError(f"a view may change sequence_parallel and remat only: {held} -> "
+                     f"{execution}")
+  other = nnx.merge(*nnx.split(model))
+  set_sequence_parallel(other, execution.sequence_parallel)
+  other.execution = execution
+  return other
