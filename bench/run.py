@@ -362,6 +362,7 @@ def memory_report(cfg, mesh, tx) -> dict[str, Any]:
   import jax
   from flax import nnx
 
+  from flax_tp.param_info import ParamInfo
   from models.transformer import Transformer
   from train.step import Trainer
   trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)), tx)
@@ -370,7 +371,7 @@ def memory_report(cfg, mesh, tx) -> dict[str, Any]:
   sharded_dense = replicated = 0
   replicated_names = []
   for path, var in nnx.to_flat_state(trainer.params):
-    layout = var.get_metadata().get("tp_layout")
+    layout = ParamInfo.of(var).layout
     nbytes = var[...].nbytes
     if layout is None:
       replicated += nbytes

@@ -55,7 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_tp.partition import KVHeadLayout, ShardLayout
+from flax_tp.param_info import ParamInfo
+from flax_tp.partition import ShardLayout
 from flax_tp.state import layer_path, stacked_layers, stored_like
 
 FORMAT = "flax_tp/sharded-1"
@@ -105,10 +106,8 @@ def _saved_keys(key: str, leaf: Any) -> list[str] | None:
 
 
 def _layout_of(leaf: Any) -> tuple[ShardLayout | None, int | None]:
-  if isinstance(leaf, nnx.Variable):
-    meta = leaf.get_metadata()
-    return meta.get("tp_layout"), meta.get("tp_dim")
-  return None, None
+  info = ParamInfo.of(leaf)
+  return info.layout, info.dim
 
 
 def _value(leaf: Any) -> Any:
@@ -137,12 +136,7 @@ def _runs(stored: slice, layout: ShardLayout | None,
     return [(stored.start, stored.stop, stored.start)]
   q, runs = layout.padded_size, []
   for i in range(stored.start // q, -(-stored.stop // q)):
-    shard_runs = layout.runs(i)
-    if first_copies and isinstance(layout, KVHeadLayout):
-      held = max((o + s for o, s in zip(layout.offsets[:i], layout.sizes[:i], strict=True)
-                  if s), default=0)
-      skip = max(0, min(held - layout.offsets[i], layout.sizes[i]))
-      shard_runs = ((skip, layout.sizes[i] - skip, layout.offsets[i] + skip),)
+    shard_runs = layout.first_copy_runs(i) if first_copies else layout.runs(i)
     for local, size, logical in shard_runs:
       lo = max(stored.start, i * q + local)
       hi = min(stored.stop, i * q + local + size)

@@ -51,14 +51,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import all_gather, axis_is_bound, copy_to_parallel, shard_index
 from flax_tp.mesh import DATA_AXIS, MODEL_AXIS
+from flax_tp.param_info import KEYS, ParamInfo, record
 
 __all__ = ["FSDP_DIM", "FSDP_PER_BLOCK", "fsdp_dim", "gather_block", "gather_for_step",
            "global_rows", "shard_over_data", "unshard_over_data", "whole_over_data"]
 
-FSDP_DIM = "fsdp_dim"  # metadata: the param dimension split over "data" (and maybe "model")
-# metadata (in memory only): a block's param, gathered by the block (gather_block), not
-# by gather_for_step, so that one block's params are whole at a time
-FSDP_PER_BLOCK = "fsdp_per_block"
+# The metadata keys (flax_tp.param_info reads and writes them): the param dimension split
+# over "data" (and maybe "model"); that a block gathers it (gather_block), not
+# gather_for_step, so that one block's params are whole at a time.
+FSDP_DIM, FSDP_PER_BLOCK = KEYS["fsdp_dim"], KEYS["fsdp_per_block"]
 
 
 def global_rows(local_batch: int) -> jax.Array:
@@ -81,22 +82,22 @@ def fsdp_dim(var: nnx.Variable, devices: int) -> int | None:
   """The dimension of ``var`` to split over ``devices``: the largest one that is not
   split otherwise (nor a stacked param's layer axis) and that ``devices`` divides;
   None when there is none."""
-  meta = var.get_metadata()
-  names = tuple(meta.get("out_sharding") or ())
+  info = ParamInfo.of(var)
+  names = info.names or ()
   shape = var[...].shape
-  stacked = 1 if "tp_layers" in meta else 0
+  stacked = 1 if info.is_stacked else 0
   free = [d for d in range(stacked, len(shape))
           if (names[d] if d < len(names) else None) is None and shape[d] % devices == 0]
   return max(free, key=lambda d: (shape[d], -d)) if free else None
 
 
-def _within_model_shards(var: nnx.Variable, meta: dict, data_size: int) -> int | None:
-  """The model-split dim of ``var`` when ``data_size`` divides each model shard of it
+def _within_model_shards(info: ParamInfo, data_size: int) -> int | None:
+  """The model-split dim of a param when ``data_size`` divides each model shard of it
   (and no kv head is stored twice, whose norm weights are per model shard); else None."""
-  layout, dim = meta.get("tp_layout"), meta.get("tp_dim")
-  if layout is None or getattr(layout, "replicated", False):
+  layout, dim = info.layout, info.dim
+  if layout is None or layout.replicated:
     return None
-  if meta["out_sharding"][dim] != MODEL_AXIS or layout.padded_size % data_size:
+  if info.names[dim] != MODEL_AXIS or layout.padded_size % data_size:
     return None
   return dim
 
@@ -114,12 +115,12 @@ def shard_over_data(module: nnx.Module, *, per_block: tuple[nnx.Module, ...] = (
   in_blocks = {id(var) for sub in per_block for _, var in nnx.to_flat_state(
       nnx.state(sub, nnx.Param))}
   for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-    meta = var.get_metadata()
-    mesh, names = meta.get("mesh"), meta.get("out_sharding")
+    info = ParamInfo.of(var)
+    mesh, names = info.mesh, info.names
     if mesh is None or names is None or DATA_AXIS not in mesh.axis_names:
       raise ValueError(f"param {'.'.join(map(str, path))} is not on a mesh with a "
                        f"{DATA_AXIS!r} axis (see flax_tp.replicate_on_mesh)")
-    if FSDP_DIM in meta:
+    if info.over_data:
       continue
     size = mesh.shape[DATA_AXIS]
     if size == 1:
@@ -132,22 +133,20 @@ def shard_over_data(module: nnx.Module, *, per_block: tuple[nnx.Module, ...] = (
     if dim is None:
       dim, axes = fsdp_dim(var, size), DATA_AXIS
     if dim is None:  # only the model-split dim (a column layer's bias): split its shards
-      dim, axes = _within_model_shards(var, meta, size), (MODEL_AXIS, DATA_AXIS)
+      dim, axes = _within_model_shards(info, size), (MODEL_AXIS, DATA_AXIS)
     if dim is None:
       kept.append(".".join(map(str, path)))
       continue
     new[dim] = axes
     var.set_value(jax.device_put(var[...], NamedSharding(mesh, P(*new))))
-    var.set_metadata(out_sharding=tuple(new), **{FSDP_DIM: dim})
-    if id(var) in in_blocks:
-      var.set_metadata(**{FSDP_PER_BLOCK: True})
+    record(var, names=tuple(new), fsdp_dim=dim, fsdp_per_block=id(var) in in_blocks)
   return kept
 
 
-def _names_whole_over_data(meta: dict) -> tuple:
+def _names_whole_over_data(info: ParamInfo) -> tuple:
   """A split param's ``out_sharding`` with its ``"data"`` split taken out."""
-  names = list(meta["out_sharding"])
-  dim = meta[FSDP_DIM]
+  names = list(info.names)
+  dim = info.fsdp_dim
   names[dim] = MODEL_AXIS if names[dim] == (MODEL_AXIS, DATA_AXIS) else None
   return tuple(names)
 
@@ -159,17 +158,15 @@ def whole_over_data(state: nnx.State, *, place: bool = True) -> nnx.State:
   all-gather the values (``False``: only the metadata, e.g. for partition specs).
   ``state`` itself is unchanged."""
   def one(var: nnx.Variable) -> nnx.Variable:
-    if not isinstance(var, nnx.Variable) or FSDP_DIM not in var.get_metadata():
+    info = ParamInfo.of(var)
+    if not info.over_data:
       return var
-    meta = var.get_metadata()
-    names = _names_whole_over_data(meta)
+    names = _names_whole_over_data(info)
     value = var[...]
     if place:
-      value = jax.device_put(value, NamedSharding(meta["mesh"], P(*names)))
-    new = var.replace(value, out_sharding=names)
-    new.del_metadata(FSDP_DIM)
-    if FSDP_PER_BLOCK in meta:
-      new.del_metadata(FSDP_PER_BLOCK)
+      value = jax.device_put(value, NamedSharding(info.mesh, P(*names)))
+    new = var.replace(value)
+    record(new, names=names, fsdp_dim=None, fsdp_per_block=None)
     return new
 
   return jax.tree.map(one, state, is_leaf=_is_var)
@@ -179,24 +176,20 @@ def unshard_over_data(module: nnx.Module) -> nnx.Module:
   """Puts ``module``'s params back to replicated over ``"data"`` (the layout the
   standalone layers read), in place; returns ``module``."""
   for var in _params(module):
-    meta = var.get_metadata()
-    if FSDP_DIM not in meta:
+    info = ParamInfo.of(var)
+    if not info.over_data:
       continue
-    names = _names_whole_over_data(meta)
-    var.set_value(jax.device_put(var[...], NamedSharding(meta["mesh"], P(*names))))
-    var.set_metadata(out_sharding=names)
-    var.del_metadata(FSDP_DIM)
-    if FSDP_PER_BLOCK in meta:
-      var.del_metadata(FSDP_PER_BLOCK)
+    names = _names_whole_over_data(info)
+    var.set_value(jax.device_put(var[...], NamedSharding(info.mesh, P(*names))))
+    record(var, names=names, fsdp_dim=None, fsdp_per_block=None)
   return module
 
 
 def _gathered(var: nnx.Variable) -> nnx.Variable:
   """``var`` all-gathered over ``"data"`` (and first ``"model"``) on its FSDP dim, under
   ``jax.checkpoint``; a layer's slice of a stacked param too (its dims shift by one)."""
-  meta = var.get_metadata()
-  names = meta["out_sharding"]
-  dim = meta[FSDP_DIM]
+  info = ParamInfo.of(var)
+  names, dim = info.names, info.fsdp_dim
   # ("data", "model"): whole under tensor parallelism, so gathered over "model" too;
   # "data", or ("model", "data") (a model shard split over "data"): over "data" only.
   over_model = names[dim] == (DATA_AXIS, MODEL_AXIS)
@@ -225,10 +218,10 @@ def gather_for_step(params: nnx.State) -> nnx.State:
   (``copy_to_parallel``): its gradient is all-reduced over ``"data"`` once.
   """
   def one(var: nnx.Variable) -> nnx.Variable:
-    meta = var.get_metadata()
-    if FSDP_DIM not in meta:
+    info = ParamInfo.of(var)
+    if not info.over_data:
       return var.replace(copy_to_parallel(var[...], DATA_AXIS))
-    if meta.get(FSDP_PER_BLOCK):
+    if info.fsdp_per_block:
       return var
     return _gathered(var)
 
@@ -243,8 +236,7 @@ def gather_block(state: nnx.State) -> nnx.State:
   Outside such a map a param split over ``"data"`` cannot be gathered there: that is
   an error naming what to call, never a silent pass-through of a partial param.
   """
-  split = [v for v in jax.tree.leaves(state, is_leaf=_is_var)
-           if isinstance(v, nnx.Variable) and FSDP_DIM in v.get_metadata()]
+  split = [v for v in jax.tree.leaves(state, is_leaf=_is_var) if ParamInfo.of(v).over_data]
   if not split:
     return state
   if DATA_AXIS not in jax.sharding.get_abstract_mesh().manual_axes:
@@ -253,5 +245,5 @@ def gather_block(state: nnx.State) -> nnx.State:
         f"this is not inside a shard_map over {DATA_AXIS!r}: call the model itself (it "
         f"maps itself), or take the params whole first "
         f"(flax_tp.data_parallel.whole_over_data / unshard_over_data)")
-  return jax.tree.map(lambda v: _gathered(v) if FSDP_DIM in v.get_metadata() else v,
+  return jax.tree.map(lambda v: _gathered(v) if ParamInfo.of(v).over_data else v,
                       state, is_leaf=_is_var)

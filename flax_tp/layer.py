@@ -26,6 +26,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import axis_is_bound
 from flax_tp.mesh import DATA_AXIS
+from flax_tp.param_info import ParamInfo
 from flax_tp.state import partition_names, place_on_mesh
 
 
@@ -74,7 +75,7 @@ class ParallelModule(nnx.Module):
       return value
     var = getattr(self, name)
     hint = ""
-    if "fsdp_dim" in var.get_metadata():
+    if ParamInfo.of(var).over_data:
       hint = (f"; it is split over {DATA_AXIS!r} (FSDP) and was not gathered: run the "
               f"blocks through flax_tp.remat.run_blocks, or gather each block's params "
               f"with flax_tp.data_parallel.gather_block (the step's params with "

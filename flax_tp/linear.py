@@ -33,7 +33,7 @@ from flax_tp.collectives import (
 from flax_tp.layer import ParallelModule
 from flax_tp.matmul import dense_matmul
 from flax_tp.mesh import MODEL_AXIS
-from flax_tp.partition import KVHeadLayout, SegmentedLayout, ShardLayout
+from flax_tp.partition import SegmentedLayout, ShardLayout
 from flax_tp.state import masked, sharded_param, sum_over_replicas
 
 Array = jax.Array
@@ -218,7 +218,7 @@ class ColumnParallelDense(_ParallelDense):
     kernel = masked(kernel, self.layout, 1, self.axis_name)
     if bias is not None:
       bias = masked(bias, self.layout, 0, self.axis_name)
-    if isinstance(self.layout, KVHeadLayout) and self.layout.replicated:
+    if self.layout.replicated:  # a KVHeadLayout storing some kv heads twice
       kernel = sum_over_replicas(kernel, self.layout, 1, self.axis_name)
       if bias is not None:
         bias = sum_over_replicas(bias, self.layout, 0, self.axis_name)

@@ -133,6 +133,23 @@ class ShardLayout:
     """True when the stored form is the logical tensor itself (no padding, in order)."""
     return self.is_even
 
+  @property
+  def replicated(self) -> bool:
+    """Whether some logical element is stored on more than one shard (a
+    ``KVHeadLayout``'s kv heads may be); here never."""
+    return False
+
+  def first_copy_runs(self, index: int) -> tuple[tuple[int, int, int], ...]:
+    """``runs(index)`` less the elements an earlier shard already holds: each logical
+    element once over all shards (what a checkpoint writes)."""
+    return self.runs(index)
+
+  def replica_weights(self) -> np.ndarray | None:
+    """``[parts, padded_size]``: how much each stored element counts in a norm, ``1 /
+    copies`` of the logical element it holds (0 for padding); None when each stored
+    element counts once (padding is zero there)."""
+    return None
+
   def valid_mask(self) -> np.ndarray:
     """``[padded_total]`` bool: True at stored positions that hold logical data."""
     local = np.arange(self.padded_size)
@@ -275,6 +292,19 @@ class KVHeadLayout(ShardLayout):
     expected = np.arange(index.shape[1]) // group
     kv_real = np.asarray(self.sizes) // self.unit
     return bool(np.all(np.where(real, index == expected, expected >= kv_real[:, None])))
+
+  def first_copy_runs(self, index: int) -> tuple[tuple[int, int, int], ...]:
+    held = max((o + s for o, s in zip(self.offsets[:index], self.sizes[:index], strict=True)
+                if s), default=0)
+    skip = max(0, min(held - self.offsets[index], self.sizes[index]))
+    return ((skip, self.sizes[index] - skip, self.offsets[index] + skip),)
+
+  def replica_weights(self) -> np.ndarray | None:
+    if not self.replicated:
+      return None
+    positions = self.stored_positions()  # the logical element each stored one holds
+    copies = np.bincount(positions.reshape(-1), minlength=self.size + 1)
+    return np.where(positions < self.size, 1.0 / copies[positions], 0.0)
 
   def valid_indices(self) -> np.ndarray:
     """``[size]``: the stored position of each logical element's first copy."""

@@ -3,16 +3,10 @@
 A parallel parameter is an ``nnx.Param`` holding a global ``jax.Array`` in its
 stored (padded) form, sharded over the mesh's model axis, with metadata:
 
-- ``out_sharding``: its partition spec as axis names (what ``nnx.get_partition_spec``
-  reads), e.g. ``(None, "model")``;
-- ``mesh``: the mesh it lives on;
-- ``tp_layout`` / ``tp_dim``: the ``ShardLayout`` of its split dimension, so that
-  ``unshard`` can strip the padding. Absent on replicated parameters.
-- ``tp_layers`` / ``tp_layer_at``: only on a param that holds the same param of
-  several layers stacked on a new leading axis (``stack_layers``): how many, and
-  where the layer number goes in its per-layer path. ``unshard``,
-  ``load_unsharded`` and checkpoints name and store such a param as one param per
-  layer, so stacked and unstacked models share names and checkpoints.
+its placement, its ``ShardLayout`` and whether it is stacked, as ``flax_tp.param_info``
+records them (the one module that reads and writes those keys). ``unshard``,
+``load_unsharded`` and checkpoints name and store a stacked param as one param per
+layer, so stacked and unstacked models share names and checkpoints.
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ from flax.nnx import variablelib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import all_reduce, shard_index
-from flax_tp.data_parallel import FSDP_DIM, FSDP_PER_BLOCK
+from flax_tp.param_info import FLAX_TP_KEYS, MESH_KEY, NAMES_KEY, ParamInfo, keys_of, record
 from flax_tp.partition import KVHeadLayout, ShardLayout
 
 Initializer = Callable[..., jax.Array]
@@ -50,8 +44,8 @@ def partition_names(ndim: int, dim: int | None, axis_name: str,
   return tuple(names)
 
 
-# The metadata keys flax_tp writes on its params; a user's metadata may not set them.
-FLAX_TP_KEYS = ("tp_layout", "tp_dim", "tp_layers", "tp_layer_at", FSDP_DIM, FSDP_PER_BLOCK)
+# The metadata keys flax_tp writes on its params (flax_tp.param_info, the only module
+# that reads and writes them) are FLAX_TP_KEYS; a user's metadata may not set them.
 # Keys that say where a param lives. The layer decides that: a user's entry is kept
 # where it says what the layer does, and otherwise left out with a warning.
 _PLACEMENT_KEYS = ("out_sharding", "sharding", "sharding_names", "mesh", "sharding_rules",
@@ -105,10 +99,10 @@ def sharded_param(
     raise ValueError(f"{name}: metadata {clash} is flax_tp's own (the param's layout); "
                      "choose other names")
   _check_placement(name, given, names, mesh)
-  param_meta.update(out_sharding=names, mesh=mesh)
+  param_meta.update({NAMES_KEY: names, MESH_KEY: mesh})
   if dim is not None:
     layout = layout or ShardLayout(shape[dim], mesh.shape[axis_name], unit)
-    param_meta.update(tp_layout=layout, tp_dim=dim % len(shape))
+    param_meta.update(keys_of(dict(layout=layout, dim=dim % len(shape))))
     full = layout.pad(full, dim)
   return nnx.Param(place(full, NamedSharding(mesh, P(*names))), **param_meta)
 
@@ -178,10 +172,11 @@ def replicate_on_mesh(module: nnx.Module, mesh: Mesh) -> nnx.Module:
   spec, so ``nnx.get_partition_spec`` says ``P()``. Returns ``module``.
   """
   for _, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-    if "tp_layout" in var.get_metadata() or var.get_metadata().get("mesh") == mesh:
+    info = ParamInfo.of(var)
+    if info.layout is not None or info.mesh == mesh:
       continue
     value = var[...]
-    var.set_metadata(out_sharding=(None,) * value.ndim, mesh=mesh)
+    var.set_metadata(**{NAMES_KEY: (None,) * value.ndim, MESH_KEY: mesh})
     var[...] = place(value, NamedSharding(mesh, P()))
   return module
 
@@ -194,12 +189,11 @@ def place_on_mesh(module: nnx.Module) -> nnx.Module:
   Called when a flax_tp layer or model is unpickled. Returns ``module``.
   """
   for _, var in nnx.to_flat_state(nnx.state(module)):
-    meta = var.get_metadata()
-    mesh, names = meta.get("mesh"), meta.get("out_sharding")
+    info = ParamInfo.of(var)
     value = var[...]
-    if not isinstance(mesh, Mesh) or names is None or not hasattr(value, "shape"):
+    if not isinstance(info.mesh, Mesh) or info.names is None or not hasattr(value, "shape"):
       continue
-    sharding = NamedSharding(mesh, P(*names))
+    sharding = info.sharding
     if not (isinstance(value, jax.Array) and value.sharding == sharding):
       var[...] = place(np.asarray(value), sharding)
   return module
@@ -207,16 +201,6 @@ def place_on_mesh(module: nnx.Module) -> nnx.Module:
 
 def _is_param(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
-
-
-def _replica_weights(layout: ShardLayout) -> np.ndarray | None:
-  """``[parts, padded_size]``: how much each stored element counts in a norm, ``1 /
-  copies`` of the logical element it holds (0 for padding); None when each counts once."""
-  if not (isinstance(layout, KVHeadLayout) and layout.replicated):
-    return None
-  positions = layout.stored_positions()  # the logical element each stored one holds
-  copies = np.bincount(positions.reshape(-1), minlength=layout.size + 1)
-  return np.where(positions < layout.size, 1.0 / copies[positions], 0.0)
 
 
 def _sum_of_squares(value: jax.Array, weights: np.ndarray | jax.Array | None,
@@ -247,15 +231,15 @@ def logical_norm(tree: Any) -> jax.Array:
   parts = []
   for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     value = leaf[...] if isinstance(leaf, nnx.Variable) else leaf
-    layout, dim = _layout_of(leaf)
-    meta = leaf.get_metadata() if isinstance(leaf, nnx.Variable) else {}
-    names = tuple(meta.get("out_sharding") or ())
+    info = ParamInfo.of(leaf)
+    layout, dim = info.layout, info.dim
+    names = info.names or ()
     axes = tuple(a for n in names if n is not None for a in ((n,) if isinstance(n, str) else n))
-    if "mesh" not in meta or not axes:
+    if info.mesh is None or not axes:
       parts.append(_sum_of_squares(value, None, None))
       continue
-    weights = None if layout is None else _replica_weights(layout)
-    groups.setdefault((meta["mesh"], axes), []).append(
+    weights = None if layout is None else layout.replica_weights()
+    groups.setdefault((info.mesh, axes), []).append(
         (value, P(*names), weights, dim, None if layout is None else names[dim]))
   for (mesh, axes), members in groups.items():
     def local_sum(*values, members=members, axes=axes):
@@ -283,10 +267,8 @@ def gather_to_host(value: jax.Array) -> np.ndarray:
 
 def _layout_of(leaf: Any) -> tuple[ShardLayout | None, int | None]:
   """The ``ShardLayout`` and split dim of a sharded param; (None, None) otherwise."""
-  if isinstance(leaf, nnx.Variable):
-    meta = leaf.get_metadata()
-    return meta.get("tp_layout"), meta.get("tp_dim")
-  return None, None
+  info = ParamInfo.of(leaf)
+  return info.layout, info.dim
 
 
 def logical_value(leaf: nnx.Variable | jax.Array) -> np.ndarray:
@@ -372,7 +354,7 @@ def load_unsharded(module: nnx.Module, source: nnx.Module | nnx.State) -> None:
 
 def stacked_layers(var: Any) -> int | None:
   """How many layers a stacked param holds; None for an ordinary param."""
-  return var.get_metadata().get("tp_layers") if isinstance(var, nnx.Variable) else None
+  return ParamInfo.of(var).layers
 
 
 def layer_path(path: tuple, var: nnx.Variable, layer: int) -> tuple:
@@ -382,7 +364,7 @@ def layer_path(path: tuple, var: nnx.Variable, layer: int) -> tuple:
   ``(0, "mu", ...)``): the layer number goes before the param's path inside the
   stacked module, which is counted from the end.
   """
-  at = len(path) + var.get_metadata()["tp_layer_at"]
+  at = len(path) + ParamInfo.of(var).layer_at
   return tuple(path[:at]) + (layer,) + tuple(path[at:])
 
 
@@ -412,19 +394,16 @@ def stack_layers(modules: Sequence[nnx.Module]) -> nnx.Module:
     raise ValueError("stack_layers needs at least one module")
   flats = [dict(nnx.to_flat_state(nnx.state(m, nnx.Param))) for m in modules]
   for path, var in flats[0].items():
-    meta = var.get_metadata()
-    if "mesh" not in meta or "out_sharding" not in meta:
+    info = ParamInfo.of(var)
+    if info.mesh is None or info.names is None:
       raise ValueError(f"param {path} is not on a mesh (see replicate_on_mesh)")
-    if "tp_layers" in meta:
+    if info.is_stacked:
       raise ValueError(f"param {path} is already stacked")
-    names = (None,) + tuple(meta["out_sharding"])
-    var.set_value(_stacker(NamedSharding(meta["mesh"], P(*names)))(
+    names = (None,) + info.names
+    var.set_value(_stacker(NamedSharding(info.mesh, P(*names)))(
         *[flat[path][...] for flat in flats]))
-    updates: dict[str, Any] = dict(out_sharding=names, tp_layers=len(modules),
-                                   tp_layer_at=-len(path))
-    if "tp_dim" in meta:
-      updates["tp_dim"] = meta["tp_dim"] + 1
-    var.set_metadata(**updates)
+    record(var, names=names, layers=len(modules), layer_at=-len(path),
+           **({} if info.dim is None else {"dim": info.dim + 1}))
   return modules[0]
 
 
@@ -439,10 +418,10 @@ def set_layer(var: nnx.Variable, layer: int, logical: Any, name: Any = "") -> No
 
   ``ValueError`` naming ``name`` on a shape that does not fit.
   """
-  meta = var.get_metadata()
+  info = ParamInfo.of(var)
   stacked = var[...]
   expected = list(stacked.shape[1:])
-  layout, dim = meta.get("tp_layout"), meta.get("tp_dim")
+  layout, dim = info.layout, info.dim
   if layout is not None:
     expected[dim - 1] = layout.size
   value = np.asarray(logical).astype(stacked.dtype)
@@ -451,7 +430,7 @@ def set_layer(var: nnx.Variable, layer: int, logical: Any, name: Any = "") -> No
         f"param {name}: got shape {tuple(value.shape)}, expected {tuple(expected)}")
   if layout is not None:
     value = layout.pad(value, dim - 1)
-  sharding = NamedSharding(meta["mesh"], P(*meta["out_sharding"][1:]))
+  sharding = NamedSharding(info.mesh, P(*info.names[1:]))
   var.set_value(_update_layer(stacked, place(value, sharding), jnp.int32(layer)))
 
 

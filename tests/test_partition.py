@@ -2,7 +2,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_tp import ShardLayout, split_tensor_for_parallelism
+from flax_tp import KVHeadLayout, SegmentedLayout, ShardLayout, split_tensor_for_parallelism
 
 
 def test_reference_rows_10_over_3():
@@ -96,3 +96,31 @@ def test_segmented_layout_holds_whole_heads_of_each_part():
     _ = layout.offsets
   with pytest.raises(ValueError, match="whole heads"):
     SegmentedLayout(9, 2, 2, (5, 2, 2))
+
+
+@pytest.mark.parametrize("layout", [
+    ShardLayout(10, 4), ShardLayout(12, 3, unit=2),
+    KVHeadLayout(2 * 4, 4, 4, num_heads=6),  # kv heads 0, 0-1, 1, 1: replicated
+    KVHeadLayout(4 * 2, 2, 2, num_heads=8),  # lines up: no copies
+    SegmentedLayout(16, 3, 4, (8, 4, 4)),
+], ids=["plain", "unit", "kv-replicated", "kv-even", "segmented"])
+def test_every_layout_answers_the_same_questions(layout):
+  """Callers never ask which layout they hold: each one's first-copy runs cover every
+  logical element exactly once, its replica weights make each count once, and
+  ``replicated`` says whether any element is stored twice."""
+  table = layout.stored_positions()
+  held = np.zeros(layout.size, int)
+  for i in range(layout.parts):
+    for at, length, start in layout.first_copy_runs(i):
+      np.testing.assert_array_equal(table[i, at:at + length], start + np.arange(length))
+      held[start:start + length] += 1
+  np.testing.assert_array_equal(held, 1)
+  copies = np.bincount(table[table < layout.size], minlength=layout.size)
+  assert layout.replicated == bool((copies > 1).any())
+  weights = layout.replica_weights()
+  if weights is None:
+    assert not layout.replicated
+    weights = (table < layout.size).astype(float)
+  counted = np.zeros(layout.size)
+  np.add.at(counted, table[table < layout.size], weights[table < layout.size])
+  np.testing.assert_allclose(counted, 1.0)

@@ -23,7 +23,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, describe_not_ours
-from flax_tp.data_parallel import FSDP_DIM, unshard_over_data
+from flax_tp.data_parallel import unshard_over_data
+from flax_tp.param_info import ParamInfo
 from flax_tp.run_lock import LOCK_NAME, FolderInUse, FolderLock
 from models.config import TransformerConfig
 from models.execution import Execution
@@ -60,11 +61,11 @@ def param_summary(params: nnx.State) -> dict[str, int]:
   total = sharded = replicated = 0
   for _, var in nnx.to_flat_state(params):
     value = var[...]
-    meta = var.get_metadata()
-    layout = meta.get("tp_layout")
+    info = ParamInfo.of(var)
+    layout = info.layout
     shard_bytes = value.addressable_shards[0].data.nbytes
     total += value.size if layout is None else value.size // layout.padded_total * layout.size
-    if any(meta.get("out_sharding") or ()):  # split over "model" and/or "data" (FSDP)
+    if info.is_split:  # split over "model" and/or "data" (FSDP)
       sharded += shard_bytes
     else:
       replicated += shard_bytes
@@ -388,7 +389,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"nats | batch {args.batch_size} x {args.seq_len} tokens")
   if execution.fsdp and data_size > 1:  # never silently less sharded than asked
     whole = [".".join(map(str, path)) for path, var in nnx.to_flat_state(params)
-             if FSDP_DIM not in var.get_metadata()]
+             if not ParamInfo.of(var).over_data]
     if whole:
       notes.append(f"note: --fsdp leaves {len(whole)} param(s) replicated over the "
                    f"{data_size}-way data axis, which divides none of their dimensions: "

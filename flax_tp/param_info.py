@@ -1,0 +1,106 @@
+"""The one reader and writer of a param's flax_tp metadata.
+
+A parallel parameter is an ``nnx.Param`` holding a global ``jax.Array`` in its stored
+(padded) form, with metadata (nnx's own keys, then flax_tp's):
+
+- ``out_sharding``: its partition spec as axis names (what ``nnx.get_partition_spec``
+  reads), e.g. ``(None, "model")``; ``mesh``: the mesh it lives on;
+- ``tp_layout`` / ``tp_dim``: the ``ShardLayout`` of its dimension split over
+  ``"model"``, so that its padding can be stripped. Absent on replicated params;
+- ``tp_layers`` / ``tp_layer_at``: only on a param holding the same param of several
+  layers stacked on a new leading axis (``stack_layers``): how many, and where the
+  layer number goes in its per-layer path;
+- ``fsdp_dim``: the dimension split over ``"data"`` too (FSDP), and ``fsdp_per_block``:
+  that a block gathers it (``flax_tp.data_parallel``).
+
+Nothing of this is written to a checkpoint (which holds logical values), so the keys
+are only ever read and written here: ``ParamInfo.of(var)`` reads them all, ``record``
+writes some (``None`` removes one). Everywhere else asks ``ParamInfo``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from flax_tp.partition import ShardLayout
+
+# flax_tp's own metadata keys, by ParamInfo field; a user's metadata may not set them.
+KEYS = {"layout": "tp_layout", "dim": "tp_dim", "layers": "tp_layers",
+        "layer_at": "tp_layer_at", "fsdp_dim": "fsdp_dim", "fsdp_per_block": "fsdp_per_block"}
+FLAX_TP_KEYS = tuple(KEYS.values())
+# nnx's keys that say where a param lives.
+NAMES_KEY, MESH_KEY = "out_sharding", "mesh"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+  """What flax_tp knows of one param (all fields None/empty on a plain param)."""
+
+  mesh: Mesh | None = None
+  names: tuple | None = None  # out_sharding: an axis name (or names, or None) per dim
+  layout: ShardLayout | None = None  # the layout of its dim split over "model"
+  dim: int | None = None  # which dim that is
+  layers: int | None = None  # stacked: how many layers on the leading axis
+  layer_at: int | None = None  # stacked: where the layer goes in its per-layer path
+  fsdp_dim: int | None = None  # the dim split over "data" too (FSDP)
+  fsdp_per_block: bool = False  # FSDP: gathered by its block, not by gather_for_step
+
+  @classmethod
+  def of(cls, leaf: Any) -> ParamInfo:
+    """The record of ``leaf`` (an ``nnx.Variable``; anything else: the empty record)."""
+    if not isinstance(leaf, nnx.Variable):
+      return cls()
+    meta = leaf.get_metadata()
+    names = meta.get(NAMES_KEY)
+    return cls(mesh=meta.get(MESH_KEY), names=None if names is None else tuple(names),
+               **{field: meta[key] for field, key in KEYS.items() if key in meta})
+
+  @property
+  def is_split(self) -> bool:
+    """Whether the param is split over any axis ("model" and/or "data")."""
+    return any(self.names or ())
+
+  @property
+  def is_stacked(self) -> bool:
+    return self.layers is not None
+
+  @property
+  def over_data(self) -> bool:
+    """Whether FSDP splits the param over "data"."""
+    return self.fsdp_dim is not None
+
+  @property
+  def sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P(*self.names))
+
+  def logical_shape(self, stored_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape without padding of a param stored as ``stored_shape``."""
+    shape = list(stored_shape)
+    if self.layout is not None:
+      shape[self.dim] = self.layout.size
+    return tuple(shape)
+
+
+def record(var: nnx.Variable, *, names: tuple | None = None, **fields: Any) -> None:
+  """Writes ``fields`` (``ParamInfo`` field names) onto ``var``'s metadata, and
+  ``names`` as its ``out_sharding``; a field given as None (or ``fsdp_per_block``
+  False) is removed."""
+  if names is not None:
+    var.set_metadata(**{NAMES_KEY: tuple(names)})
+  for field, value in fields.items():
+    key = KEYS[field]
+    if value is None or value is False:
+      if key in var.get_metadata():
+        var.del_metadata(key)
+    else:
+      var.set_metadata(**{key: value})
+
+
+def keys_of(fields: dict[str, Any]) -> dict[str, Any]:
+  """``ParamInfo`` fields -> the metadata entries they are stored as (for building a
+  new ``nnx.Param`` with its metadata at once); None values are left out."""
+  return {KEYS[f]: v for f, v in fields.items() if v is not None}
