@@ -11,8 +11,11 @@ from flax_tp.collectives import (
 )
 from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
 from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_parallel
+from flax_tp.logical import load_unsharded, unshard
 from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
 from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, make_mesh, parse_mesh_spec
+from flax_tp.norm import logical_norm
+from flax_tp.params import place_on_mesh, replicate_on_mesh
 from flax_tp.partition import (
     KVHeadLayout,
     SegmentedLayout,
@@ -21,14 +24,7 @@ from flax_tp.partition import (
 )
 from flax_tp.plan import explain_plan, parallelize
 from flax_tp.sampling import vocab_parallel_sample
-from flax_tp.state import (
-    load_unsharded,
-    logical_norm,
-    place_on_mesh,
-    replicate_on_mesh,
-    stack_layers,
-    unshard,
-)
+from flax_tp.stack import stack_layers
 
 __all__ = [
     "all_gather",

@@ -50,16 +50,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import all_gather, axis_is_bound, copy_to_parallel, shard_index
-from flax_tp.mesh import DATA_AXIS, MODEL_AXIS
-from flax_tp.param_info import KEYS, ParamInfo, record
+from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, split_over
+from flax_tp.param_info import FSDP_DIM, FSDP_PER_BLOCK, ParamInfo, record
 
 __all__ = ["FSDP_DIM", "FSDP_PER_BLOCK", "fsdp_dim", "gather_block", "gather_for_step",
            "global_rows", "shard_over_data", "unshard_over_data", "whole_over_data"]
 
-# The metadata keys (flax_tp.param_info reads and writes them): the param dimension split
-# over "data" (and maybe "model"); that a block gathers it (gather_block), not
-# gather_for_step, so that one block's params are whole at a time.
-FSDP_DIM, FSDP_PER_BLOCK = KEYS["fsdp_dim"], KEYS["fsdp_per_block"]
+# FSDP_DIM, FSDP_PER_BLOCK: the metadata keys (flax_tp.param_info reads and writes them)
+# of the param dimension split over "data" (and maybe "model"), and of a block's param
+# (gathered by gather_block, not gather_for_step: one block's params whole at a time).
 
 
 def global_rows(local_batch: int) -> jax.Array:
@@ -123,7 +122,7 @@ def shard_over_data(module: nnx.Module, *, per_block: tuple[nnx.Module, ...] = (
     if info.over_data:
       continue
     size = mesh.shape[DATA_AXIS]
-    if size == 1:
+    if split_over(DATA_AXIS, size) is None:  # one device: nothing to split
       continue
     new = list(names) + [None] * (var[...].ndim - len(names))
     both = size * mesh.shape.get(MODEL_AXIS, 1)

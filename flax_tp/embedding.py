@@ -6,7 +6,7 @@ negative ids count from the end, ids outside ``[-num_embeddings,
 num_embeddings)`` give rows of ``jnp.take``'s fill value for the compute dtype (NaN
 for floats, the most negative value of a signed integer type, the largest of an
 unsigned one). ``embedding_metadata`` and partitioned initializers are accepted as
-``flax_tp.state.sharded_param`` describes.
+``flax_tp.params.sharded_param`` describes.
 """
 
 from __future__ import annotations
@@ -23,17 +23,18 @@ from flax.nnx.nn.linear import default_embed_init
 from jax.sharding import Mesh, PartitionSpec as P
 
 from flax_tp.collectives import (
-    all_gather,
-    all_reduce,
-    copy_to_parallel,
-    reduce_scatter,
-    shard_index,
+  all_gather,
+  all_reduce,
+  copy_to_parallel,
+  reduce_scatter,
+  shard_index,
 )
 from flax_tp.layer import ParallelModule
 from flax_tp.linear import split_local
 from flax_tp.mesh import MODEL_AXIS
+from flax_tp.padding import masked
+from flax_tp.params import sharded_param
 from flax_tp.partition import ShardLayout
-from flax_tp.state import masked, sharded_param
 
 Array = jax.Array
 

@@ -25,9 +25,9 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import axis_is_bound
-from flax_tp.mesh import DATA_AXIS
+from flax_tp.mesh import DATA_AXIS, split_over
 from flax_tp.param_info import ParamInfo
-from flax_tp.state import partition_names, place_on_mesh
+from flax_tp.params import partition_names, place_on_mesh
 
 
 def is_traced(args: Sequence[Any]) -> bool:
@@ -176,7 +176,8 @@ class ParallelModule(nnx.Module):
   def _splits_batch(self, x: Any, min_ndim: int = 2) -> bool:
     """Whether the standalone map splits ``x``'s leading (batch) axis over ``"data"``."""
     size = self.mesh.shape.get(DATA_AXIS, 1)
-    return size > 1 and x.ndim >= min_ndim and x.shape[0] % size == 0
+    return (split_over(DATA_AXIS, size) is not None and x.ndim >= min_ndim
+            and x.shape[0] % size == 0)
 
   def _spec(self, ndim: int, dim: int | None) -> P:
     """Spec of a rank-``ndim`` array split over the model axis on ``dim``."""

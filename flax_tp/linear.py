@@ -4,7 +4,7 @@ Both take ``nnx.Linear``'s arguments plus ``mesh`` and ``axis_name``, draw their
 params from ``rngs`` exactly as ``nnx.Linear`` does, and store them sharded over
 the model axis (padded when the axis does not divide the split dimension).
 ``kernel_metadata`` / ``bias_metadata`` and partitioned initializers
-(``nnx.with_partitioning``) are accepted as ``flax_tp.state.sharded_param``
+(``nnx.with_partitioning``) are accepted as ``flax_tp.params.sharded_param``
 describes: the layer places its params itself.
 """
 
@@ -33,8 +33,9 @@ from flax_tp.collectives import (
 from flax_tp.layer import ParallelModule
 from flax_tp.matmul import dense_matmul
 from flax_tp.mesh import MODEL_AXIS
+from flax_tp.padding import masked, sum_over_replicas
+from flax_tp.params import sharded_param
 from flax_tp.partition import SegmentedLayout, ShardLayout
-from flax_tp.state import masked, sharded_param, sum_over_replicas
 
 Array = jax.Array
 

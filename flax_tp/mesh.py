@@ -17,6 +17,14 @@ MODEL_AXIS = "model"
 _SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
+def split_over(axis_name: str, axis_size: int) -> str | None:
+  """The name to split a dimension over on an axis of ``axis_size`` devices: the axis,
+  or None on a one-device axis, where a split is the whole tensor. Named replicated
+  there, a value stays the same type on every device inside ``shard_map`` and no
+  collective over the one-device axis is ever emitted. The one place this rule lives."""
+  return axis_name if axis_size > 1 else None
+
+
 def parse_mesh_spec(spec: str | Sequence[int]) -> tuple[int, int]:
   """``"2x4"`` or ``(2, 4)`` -> ``(data, model)``; ``ValueError`` for anything else."""
   if isinstance(spec, str):

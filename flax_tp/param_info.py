@@ -29,8 +29,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from flax_tp.partition import ShardLayout
 
 # flax_tp's own metadata keys, by ParamInfo field; a user's metadata may not set them.
+FSDP_DIM, FSDP_PER_BLOCK = "fsdp_dim", "fsdp_per_block"
 KEYS = {"layout": "tp_layout", "dim": "tp_dim", "layers": "tp_layers",
-        "layer_at": "tp_layer_at", "fsdp_dim": "fsdp_dim", "fsdp_per_block": "fsdp_per_block"}
+        "layer_at": "tp_layer_at", "fsdp_dim": FSDP_DIM, "fsdp_per_block": FSDP_PER_BLOCK}
 FLAX_TP_KEYS = tuple(KEYS.values())
 # nnx's keys that say where a param lives.
 NAMES_KEY, MESH_KEY = "out_sharding", "mesh"

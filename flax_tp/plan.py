@@ -43,9 +43,10 @@ from jax.sharding import Mesh
 from flax_tp import plan_inference
 from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
 from flax_tp.linear import ColumnParallelDense, RowParallelDense
+from flax_tp.logical import load_unsharded
 from flax_tp.mesh import MODEL_AXIS
+from flax_tp.params import replicate_on_mesh, user_metadata
 from flax_tp.partition import SegmentedLayout, ShardLayout
-from flax_tp.state import load_unsharded, replicate_on_mesh, user_metadata
 
 STYLES = ("column", "row", "vocab", "embed_features", "replicate")
 ALIASES = {"colwise": "column", "rowwise": "row"}  # HF transformers' tp_plan names

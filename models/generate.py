@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flax_tp
 from flax_tp.data_parallel import global_rows, whole_over_data
+from flax_tp.mesh import split_over
 from flax_tp.sampling import vocab_parallel_sample
 from models import execution as execution_lib
 from models.config import TransformerConfig
@@ -129,7 +130,7 @@ class Decoder:
     self.cfg, self.mesh = model.cfg, model.mesh
     self.kv_heads = model.kv_cache_heads()
     self.data_size = self.mesh.shape[flax_tp.DATA_AXIS]
-    batch = flax_tp.DATA_AXIS if self.data_size > 1 else None
+    batch = split_over(flax_tp.DATA_AXIS, self.data_size)
     self.row_spec = P(batch)
     self.cache_spec = P(batch, None, flax_tp.MODEL_AXIS, None)
     self.row_sharding = NamedSharding(self.mesh, self.row_spec)

@@ -27,7 +27,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import flax_tp
-from flax_tp.state import per_layer_paths, set_layer, stacked_layers, stored_like
+from flax_tp.logical import stored_like
+from flax_tp.stack import per_layer_paths, set_layer, stacked_layers
 from models.config import TransformerConfig
 from models.execution import Execution
 from models.transformer import Transformer

@@ -25,9 +25,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import flax_tp
 from flax_tp.data_parallel import gather_for_step, global_rows
+from flax_tp.params import place_on_mesh
 from flax_tp.remat import run_blocks
 from flax_tp.sequence import SequenceSplit
-from flax_tp.state import place_on_mesh
 from models import execution as execution_lib, ops
 from models.config import TransformerConfig
 from models.execution import Execution

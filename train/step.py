@@ -25,6 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_tp
 from flax_tp.data_parallel import gather_for_step
+from flax_tp.mesh import split_over
+from flax_tp.stack import stacked_layers
 from models.transformer import Transformer
 
 
@@ -36,7 +38,7 @@ def _is_matrix(param: Any) -> Any:
   """
   if not isinstance(param, nnx.Variable):
     return param.ndim >= 2
-  layers = flax_tp.state.stacked_layers(param)
+  layers = stacked_layers(param)
   return param.replace(param[...].ndim - (layers is not None) >= 2)
 
 
@@ -97,7 +99,7 @@ class Trainer:
     self.specs = nnx.get_partition_spec(self.params)
     # On a one-device data axis the batch is named replicated, so that no
     # (one-device) gradient all-reduce over "data" is emitted at all.
-    self.batch_spec = P(flax_tp.DATA_AXIS if self.mesh.shape[flax_tp.DATA_AXIS] > 1 else None)
+    self.batch_spec = P(split_over(flax_tp.DATA_AXIS, self.mesh.shape[flax_tp.DATA_AXIS]))
     self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
     self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1))
     self.eval_step = jax.jit(self._eval_loss)

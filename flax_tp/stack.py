@@ -1,0 +1,100 @@
+"""Layers stacked on a leading axis (scanned models): one param holds the same param of
+every layer. ``unshard``, ``load_unsharded`` and checkpoints name and store such a param as
+one param per layer, so stacked and unstacked models share names and checkpoints."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from flax_tp.param_info import ParamInfo, record
+from flax_tp.params import place
+
+
+def stacked_layers(var: Any) -> int | None:
+  """How many layers a stacked param holds; None for an ordinary param."""
+  return ParamInfo.of(var).layers
+
+
+def layer_path(path: tuple, var: nnx.Variable, layer: int) -> tuple:
+  """The per-layer path of layer ``layer`` of the stacked param ``var`` at ``path``.
+
+  ``path`` may carry any prefix (``("params", ...)``, an optimizer state's
+  ``(0, "mu", ...)``): the layer number goes before the param's path inside the
+  stacked module, which is counted from the end.
+  """
+  at = len(path) + ParamInfo.of(var).layer_at
+  return tuple(path[:at]) + (layer,) + tuple(path[at:])
+
+
+def per_layer_paths(path: tuple, var: Any) -> list[tuple]:
+  """``[path]`` for an ordinary param; each layer's path for a stacked one."""
+  layers = stacked_layers(var)
+  return [path] if layers is None else [layer_path(path, var, i) for i in range(layers)]
+
+
+@functools.cache
+def _stacker(sharding: NamedSharding) -> Callable[..., jax.Array]:
+  return jax.jit(lambda *values: jnp.stack(values), out_shardings=sharding)
+
+
+def stack_layers(modules: Sequence[nnx.Module]) -> nnx.Module:
+  """One module whose params hold ``modules``' params stacked on a new leading axis.
+
+  ``modules`` have one structure and live on one mesh (every param carries its
+  ``mesh`` and ``out_sharding``, as parallel layers' and ``replicate_on_mesh``'s
+  do). The first module is reused: each of its params becomes ``[layers, ...]``,
+  its spec gains a leading ``None`` and its split dim moves by one. A
+  ``jax.lax.scan`` over the stacked state then runs the layers in order, and the
+  optimizer sees one array per kind of param, not one per layer.
+  Returns the first module.
+  """
+  if not modules:
+    raise ValueError("stack_layers needs at least one module")
+  flats = [dict(nnx.to_flat_state(nnx.state(m, nnx.Param))) for m in modules]
+  for path, var in flats[0].items():
+    info = ParamInfo.of(var)
+    if info.mesh is None or info.names is None:
+      raise ValueError(f"param {path} is not on a mesh (see replicate_on_mesh)")
+    if info.is_stacked:
+      raise ValueError(f"param {path} is already stacked")
+    names = (None,) + info.names
+    var.set_value(_stacker(NamedSharding(info.mesh, P(*names)))(
+        *[flat[path][...] for flat in flats]))
+    record(var, names=names, layers=len(modules), layer_at=-len(path),
+           **({} if info.dim is None else {"dim": info.dim + 1}))
+  return modules[0]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _update_layer(stacked: jax.Array, value: jax.Array, layer: jax.Array) -> jax.Array:
+  return jax.lax.dynamic_update_index_in_dim(stacked, value.astype(stacked.dtype), layer, 0)
+
+
+def set_layer(var: nnx.Variable, layer: int, logical: Any, name: Any = "") -> None:
+  """Sets layer ``layer`` of the stacked param ``var`` to ``logical`` (its whole,
+  unpadded per-layer value), in place; the host holds one layer's value.
+
+  ``ValueError`` naming ``name`` on a shape that does not fit.
+  """
+  info = ParamInfo.of(var)
+  stacked = var[...]
+  expected = list(stacked.shape[1:])
+  layout, dim = info.layout, info.dim
+  if layout is not None:
+    expected[dim - 1] = layout.size
+  value = np.asarray(logical).astype(stacked.dtype)
+  if list(value.shape) != expected:
+    raise ValueError(
+        f"param {name}: got shape {tuple(value.shape)}, expected {tuple(expected)}")
+  if layout is not None:
+    value = layout.pad(value, dim - 1)
+  sharding = NamedSharding(info.mesh, P(*info.names[1:]))
+  var.set_value(_update_layer(stacked, place(value, sharding), jnp.int32(layer)))
