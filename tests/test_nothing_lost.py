@@ -403,12 +403,12 @@ def _write_legacy(directory, step, trees, meta):
   """A checkpoint as flax_tp 0.1.0 wrote it: orbax, whole logical arrays keyed by path."""
   import orbax.checkpoint as ocp
 
-  from flax_tp.checkpoint import _is_leaf, _key
+  from flax_tp.checkpoint.keys import is_leaf, key_of
   from flax_tp.state import logical_value
   state = {}
   for name, tree in trees.items():
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
-    state[name] = {_key(path): logical_value(leaf) for path, leaf in flat}
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    state[name] = {key_of(path): logical_value(leaf) for path, leaf in flat}
   manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True),
                                   item_names=("state", "meta"))
   manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),

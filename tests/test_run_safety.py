@@ -254,17 +254,17 @@ def test_a_linked_step_folder_is_never_followed_nor_fails_a_save(tmp_path, corpu
   assert elsewhere.is_dir()
 
   (tmp_path / "ck" / "4").unlink()
-  import flax_tp.checkpoint as checkpoint
+  import flax_tp.checkpoint.checkpointer as checkpoint
 
   def busy(folder):
     raise OSError(errno.EBUSY, "Device or resource busy", str(folder))
-  original, checkpoint._rotate_out = checkpoint._rotate_out, busy
+  original, checkpoint.rotate_out = checkpoint.rotate_out, busy
   try:
     with pytest.warns(UserWarning, match="checkpoint step 18 saved in .*, but older step 17 "
                                          "could not be deleted: Device or resource busy"):
       ck.save(18, _tiny_state(), {})
   finally:
-    checkpoint._rotate_out = original
+    checkpoint.rotate_out = original
   assert ck.steps() == [17, 18]
 
 

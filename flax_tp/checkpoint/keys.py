@@ -1,0 +1,72 @@
+"""How a checkpoint names what it holds: the format, and one key per array.
+
+A leaf of a saved tree is named ``TREE.PATH`` (``params.blocks.0.attn.q.kernel``); a
+stacked param (``flax_tp.stack_layers``) is saved as one array per layer, under the
+per-layer keys, so stacked and unstacked models share checkpoints. Each array is stored
+logical (padding stripped), so its shape is the logical one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from flax_tp.param_info import ParamInfo
+from flax_tp.partition import ShardLayout
+from flax_tp.stack import layer_path, stacked_layers
+
+FORMAT = "flax_tp/sharded-1"
+
+
+def is_leaf(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _part(entry: Any) -> Any:
+  for attr in ("key", "idx", "name"):
+    if hasattr(entry, attr):
+      return getattr(entry, attr)
+  return entry
+
+
+def key_of(path: tuple) -> str:
+  return ".".join(str(_part(entry)) for entry in path)
+
+
+def flat_leaves(trees: dict[str, Any]) -> list[tuple[str, Any]]:
+  """``[(key, leaf)]`` of every leaf of every named tree; Variables are leaves."""
+  out = []
+  for name, tree in trees.items():
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    out += [(f"{name}.{key_of(path)}" if path else name, leaf) for path, leaf in flat]
+  return out
+
+
+def saved_keys(key: str, leaf: Any) -> list[str] | None:
+  """The per-layer keys a stacked param (``flax_tp.stack_layers``) is saved
+  under, so stacked and unstacked models share checkpoints; None for any other leaf."""
+  if stacked_layers(leaf) is None:
+    return None
+  parts = tuple(key.split("."))
+  return [".".join(str(p) for p in layer_path(parts, leaf, i))
+          for i in range(stacked_layers(leaf))]
+
+
+def layout_of(leaf: Any) -> tuple[ShardLayout | None, int | None]:
+  info = ParamInfo.of(leaf)
+  return info.layout, info.dim
+
+
+def value_of(leaf: Any) -> Any:
+  return leaf[...] if isinstance(leaf, nnx.Variable) else leaf
+
+
+def logical_shape(leaf: Any) -> tuple[int, ...]:
+  layout, dim = layout_of(leaf)
+  shape = list(np.shape(value_of(leaf)))
+  if layout is not None:
+    shape[dim] = layout.size
+  return tuple(shape)
