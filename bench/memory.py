@@ -160,7 +160,7 @@ def step_section(args, log) -> dict:
   import numpy as np
 
   import flax_tp
-  from bench.run import flax_tp_contender, interleaved_medians
+  from bench.harness import flax_tp_contender, interleaved_medians
   from models.config import TransformerConfig
   from models.execution import Execution
   from train.step import make_optimizer

@@ -26,16 +26,21 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
   sys.path.insert(0, str(ROOT))
 
-# Dense peak FLOP/s from NVIDIA's datasheets (SXM, without sparsity).
-PEAK_TFLOPS = {
-    ("NVIDIA H200", "bfloat16"): 989.0, ("NVIDIA H200", "float32"): 494.0,  # TF32
-    ("NVIDIA H100 80GB HBM3", "bfloat16"): 989.0, ("NVIDIA H100 80GB HBM3", "float32"): 494.0,
-}
+from bench.harness import (  # noqa: E402  (after the path above: run as a script too)
+    flax_tp_contender,
+    interleaved_medians,
+    model_flops,
+    out_of_memory,
+    param_count,
+    peak_tflops,
+    peer_contender,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,27 +82,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def param_count(cfg) -> int:
-  """The model's logical params (no padding), counted without allocating them."""
-  import jax
-  from flax import nnx
-
-  from models.reference import ReferenceTransformer
-  abstract = nnx.eval_shape(lambda: ReferenceTransformer(cfg, rngs=nnx.Rngs(0)))
-  return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-
-
-def model_flops(cfg, params: int, batch: int, seq: int) -> int:
-  """Model FLOPs of one train step (see the module docstring)."""
-  matmul_params = params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-  attention = 12 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim
-  return batch * seq * (6 * matmul_params + attention)
-
-
-def _out_of_memory(err: Exception) -> bool:
-  return "RESOURCE_EXHAUSTED" in str(err) or "Out of memory" in str(err)
-
-
 def main(argv=None) -> int:
   args = parse_args(argv)
   from bench import out_path_or_exit
@@ -111,7 +95,7 @@ def main(argv=None) -> int:
   from train.step import make_optimizer
 
   device = jax.devices()[0]
-  peak = args.peak_tflops or PEAK_TFLOPS.get((device.device_kind, args.dtype))
+  peak = args.peak_tflops or peak_tflops(device.device_kind, args.dtype)
   if peak is None:
     print(f"bench.mfu: error: no datasheet peak for {device.device_kind!r} in "
           f"{args.dtype}; pass --peak-tflops", file=sys.stderr)
@@ -159,7 +143,6 @@ def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeat
   import numpy as np
 
   from bench import peers
-  from bench.run import flax_tp_contender, interleaved_medians, peer_contender
   from models.execution import Execution
   cfg = dataclasses.replace(cfg, max_seq_len=max(seq, cfg.max_seq_len))
   tokens = np.asarray(peers.tokens_for(cfg, batch, seq))
@@ -175,7 +158,7 @@ def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeat
       contenders[name] = build()
       contenders[name]()  # compiles and runs once: a point that does not fit fails here
     except Exception as err:  # only running out of memory is expected
-      if not _out_of_memory(err):
+      if not out_of_memory(err):
         raise
       contenders.pop(name, None)
       row[name] = "out of memory"
@@ -189,6 +172,40 @@ def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeat
     if "flax_tp" in medians and "plain Flax" in medians:
       row["flax_tp / plain Flax"] = medians["flax_tp"] / medians["plain Flax"]
   return row
+
+
+def device_report(preset: str, repeats: int, log) -> dict[str, Any]:
+  """One accelerator: step time and model FLOP utilisation of the default model."""
+  import jax
+  import numpy as np
+
+  import flax_tp
+  from bench import peers
+  from models.config import TransformerConfig
+  from train.step import make_optimizer
+  kind = jax.devices()[0].device_kind
+  out = {"device": kind}
+  # The datasheet's dense peaks of this device kind (TF32 for float32); MFU is left out
+  # for a device the table does not hold.
+  peak = {dtype: None if peak_tflops(kind, dtype) is None else peak_tflops(kind, dtype) * 1e12
+          for dtype in ("float32", "bfloat16")}
+  tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10)
+  mesh = flax_tp.make_mesh("1x1")
+  for dtype in ("float32", "bfloat16"):
+    for batch, seq in ((32, 128), (256, 512)):
+      cfg = TransformerConfig.preset(preset, dtype=dtype, max_seq_len=seq)
+      tokens = np.asarray(peers.tokens_for(cfg, batch, seq))
+      _, mine, _ = flax_tp_contender(cfg, mesh, tokens, tx)
+      ref, _ = peer_contender(peers.single(cfg, tx), tokens)
+      medians = interleaved_medians({"flax_tp": mine, "reference": ref}, max(repeats, 10))
+      flops = model_flops(cfg, param_count(cfg), batch, seq)
+      mfu = None if peak[dtype] is None else flops / medians["flax_tp"] / peak[dtype]
+      key = f"{dtype} b={batch} s={seq}"
+      out[key] = {**medians, "model_flops": flops, "mfu": mfu, "peak_flops": peak[dtype]}
+      log("device", f"{key}: step flax_tp / plain Flax; MFU",
+          f"{medians['flax_tp'] * 1e3:.2f} / {medians['reference'] * 1e3:.2f} ms; "
+          + (f"MFU {mfu * 100:.2f}%" if mfu is not None else f"no datasheet peak for {kind!r}"))
+  return out
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.run import (
+from bench.harness import (
     DEVICES,
     Contender,
     bench_config,

@@ -17,11 +17,8 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +26,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
   sys.path.insert(0, str(ROOT))
 
-DEVICES = 8
+from bench.harness import (  # noqa: E402  (after the path above: run as a script too)
+    DEVICES,
+    bench_config,
+    flax_tp_contender,
+    interleaved_medians,
+    peer_contender,
+    per_device_bytes,
+)
+
 SECTIONS = ("audit", "peers", "overhead", "memory", "scaling", "hostmem", "device")
 
 
@@ -52,84 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- helpers ---------------------------------------------------------------------
-
-
-def bench_config(preset: str, layers: int | None = None, seq_len: int = 128):
-  """The preset with 8 heads and sizes 8 divides, so that GSPMD can shard it on 8 devices
-  (a Llama preset keeps its kv heads: grouped-query attention)."""
-  from models.config import TransformerConfig
-  base = TransformerConfig.preset(preset)
-  head_dim = max(2, (base.num_heads * base.head_dim) // 8 // 2 * 2)
-  return TransformerConfig.preset(preset, num_heads=8, head_dim=head_dim, vocab_size=256,
-                                  d_ff=-(-base.d_ff // 8) * 8,
-                                  num_layers=layers or base.num_layers,
-                                  max_seq_len=max(base.max_seq_len, seq_len))
-
-
-def compile_timed(jitted, *args) -> tuple[Any, float]:
-  t0 = time.perf_counter()
-  compiled = jitted.lower(*args).compile()
-  return compiled, time.perf_counter() - t0
-
-
-def per_device_bytes(tree) -> int:
-  """Bytes device 0 holds for ``tree`` (its addressable shard of every array)."""
-  import jax
-  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
-             if isinstance(x, jax.Array))
-
-
-def interleaved_medians(steps: dict[str, Callable[[], None]], repeats: int,
-                        warmup: int = 2) -> dict[str, float]:
-  """Median seconds per step of each contender, timed in turn, round-robin."""
-  for fn in steps.values():
-    for _ in range(warmup):
-      fn()
-  times = {name: [] for name in steps}
-  for _ in range(repeats):
-    for name, fn in steps.items():
-      t0 = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - t0)
-  return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-class Contender:
-  """A compiled train step that carries its own state from call to call."""
-
-  def __init__(self, name, compiled, state: tuple, tokens, extra: tuple = ()):
-    self.name, self.compiled, self.state, self.tokens, self.extra = (
-        name, compiled, state, tokens, extra)
-
-  def __call__(self) -> None:
-    import jax
-    out = self.compiled(*self.state, self.tokens, *self.extra)
-    self.state = out[:2]
-    jax.block_until_ready(out[2])
-
-
-def flax_tp_contender(cfg, mesh, tokens_host, tx, execution=None):
-  """flax_tp's compiled train step of ``cfg`` on ``mesh``, run as ``execution`` (a
-  ``models.execution.Execution``; default: plain)."""
-  import jax
-  from flax import nnx
-
-  from models.execution import Execution
-  from models.transformer import Transformer
-  from train.step import Trainer
-  trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0),
-                                execution=execution or Execution()), tx)
-  params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
-  tokens = jax.device_put(tokens_host, trainer.batch_sharding)
-  compiled, seconds = compile_timed(trainer.train_step, params, opt_state, tokens, None)
-  return trainer, Contender("flax_tp", compiled, (params, opt_state), tokens, (None,)), seconds
-
-
-def peer_contender(peer, tokens_host):
-  import jax
-  tokens = jax.device_put(tokens_host, peer.batch_sharding)
-  compiled, seconds = compile_timed(peer.step, *peer.state(), tokens)
-  return Contender(peer.name, compiled, peer.state(), tokens), seconds
 
 
 # -- 1. the collective audit -------------------------------------------------------
@@ -201,7 +128,6 @@ def main(argv=None) -> int:
   import jax
   import numpy as np
 
-  import flax_tp
   from bench import meshes_or_exit, out_path_or_exit, peers
   from train.step import make_optimizer
 
@@ -224,110 +150,19 @@ def main(argv=None) -> int:
     rows.append((section, what, figure))
     print(f"{section:<9} {what:<58} {figure}", flush=True)
 
-  # 1 + 2 + 4: per mesh, flax_tp beside GSPMD (and data parallelism at Dx1).
-  if not {"audit", "peers"} <= skip:
-    results["meshes"] = {}
-    for spec in meshes:
-      mesh = flax_tp.make_mesh(spec)
-      trainer, mine, mine_compile = flax_tp_contender(cfg, mesh, tokens_host, tx)
-      entry: dict[str, Any] = {"flax_tp": {"compile_s": mine_compile}}
-      audit = audit_step(cfg, mesh, mine.compiled, mine.state[0], args.batch_size,
-                         args.seq_len)
-      entry["audit"] = audit
-      if "audit" not in skip:
-        log("audit", f"{spec}: collectives measured/minimum (count)",
-            f"{audit['measured']['count']}/{audit['minimum']['count']} = "
-            f"{audit['count_ratio'] or float('nan'):.2f}")
-        log("audit", f"{spec}: bytes per device measured/minimum",
-            f"{audit['measured']['bytes']:,}/{audit['minimum']['bytes']:,} = "
-            f"{audit['bytes_ratio'] or float('nan'):.3f}")
-        for ex in audit["excess"]:
-          log("audit", f"{spec}: excess: {ex['what']}",
-              f"{ex['tensors']} tensors, {ex['bytes']} B ({ex['why'].split(':')[0]})")
-      if "peers" not in skip:
-        contenders = {"flax_tp": mine}
-        # With a model axis: GSPMD on the reference (separate q/k/v) and on a GPT
-        # with one fused q/k/v projection; without: data parallelism.
-        others = ((peers.gspmd, peers.gspmd_fused) if mesh.shape["model"] > 1
-                  else (peers.data_parallel,))
-        for make in others:
-          peer = make(cfg, tx, mesh)
-          contenders[peer.name], seconds = peer_contender(peer, tokens_host)
-          entry[peer.name] = {"compile_s": seconds}
-        medians = interleaved_medians(contenders, args.repeats)
-        from flax_tp.hlo import collectives
-        for name, c in contenders.items():
-          stats = c.compiled.memory_analysis()
-          entry.setdefault(name, {}).update(
-              step_s=medians[name],
-              collective_bytes=sum(x.bytes for x in collectives(c.compiled.as_text(), mesh)),
-              param_bytes_per_device=per_device_bytes(c.state[0]),
-              opt_state_bytes_per_device=per_device_bytes(c.state[1]),
-              temp_bytes=stats.temp_size_in_bytes)
-        for other in list(contenders)[1:]:
-          a, b = entry["flax_tp"], entry[other]
-          for key, label in (("step_s", "step time"), ("compile_s", "compile time"),
-                             ("collective_bytes", "collective bytes"),
-                             ("param_bytes_per_device", "param bytes/device"),
-                             ("opt_state_bytes_per_device", "optimizer bytes/device"),
-                             ("temp_bytes", "compiled temp bytes")):
-            ratio = a[key] / b[key] if b[key] else float("nan")
-            fmt = ((lambda v: f"{v * 1e3:.1f} ms") if key.endswith("_s")
-                   else (lambda v: f"{v:,}"))
-            log("peers", f"{spec}: {label} flax_tp / {other}",
-                f"{fmt(a[key])} / {fmt(b[key])} = {ratio:.2f}")
-            # "ratios": against the first peer (as before); "ratios_<peer>" against each.
-            entry.setdefault(f"ratios_{other}", {})[key] = ratio
-            if other == list(contenders)[1]:
-              entry.setdefault("ratios", {})[key] = ratio
-      results["meshes"][spec] = entry
-      del trainer, mine
-
-  # 3. overhead at one device.
-  if "overhead" not in skip:
-    mesh = flax_tp.make_mesh("1x1")
-    _, mine, _ = flax_tp_contender(cfg, mesh, tokens_host, tx)
-    ref, _ = peer_contender(peers.single(cfg, tx), tokens_host)
-    medians = interleaved_medians({"flax_tp": mine, "reference": ref}, args.repeats)
-    ratio = medians["flax_tp"] / medians["reference"]
-    log("overhead", "1x1 train step flax_tp / plain Flax (goal <= 1.05)",
-        f"{medians['flax_tp'] * 1e3:.1f} / {medians['reference'] * 1e3:.1f} ms = {ratio:.3f}")
-    layer_medians = dense_overhead(mesh, args.repeats)
-    layer_ratio = layer_medians["column"] / layer_medians["linear"]
-    log("overhead", "1x1 ColumnParallelDense / nnx.Linear forward (512->2048, 1024 rows)",
-        f"{layer_medians['column'] * 1e3:.2f} / {layer_medians['linear'] * 1e3:.2f} ms = "
-        f"{layer_ratio:.3f}")
-    results["overhead"] = {"step": {**medians, "ratio": ratio},
-                           "column_dense": {**layer_medians, "ratio": layer_ratio}}
-
-  # 4. memory: what each device holds against dense / M.
-  if "memory" not in skip:
-    results["memory"] = {}
-    for spec in meshes:
-      mem = memory_report(cfg, flax_tp.make_mesh(spec), tx)
-      results["memory"][spec] = mem
-      log("memory", f"{spec}: params+opt bytes/device vs dense/M (+replicated)",
-          f"{mem['per_device_bytes']:,} vs {mem['dense_over_m_bytes']:,} + "
-          f"{mem['replicated_bytes']:,} = {mem['ratio']:.3f}")
+  if not {"audit", "peers"} <= skip:  # 1 + 2 + 4: per mesh, flax_tp beside its peers
+    results["meshes"] = {spec: audit_and_peers_section(cfg, spec, tokens_host, tx, args, skip,
+                                                       log) for spec in meshes}
+  if "overhead" not in skip:  # 3. overhead at one device
+    results["overhead"] = overhead_section(cfg, tokens_host, tx, args.repeats, log)
+  if "memory" not in skip:  # 4. memory: what each device holds against dense / M
+    results["memory"] = memory_section(cfg, meshes, tx, log)
   if "hostmem" not in skip:
-    results["host_memory"] = {}
-    for flag in ([], ["--reference"]):
-      out = subprocess.run([sys.executable, "-m", "bench.hostmem", *flag], cwd=ROOT,
-                           capture_output=True, text=True, check=True, env={
-                               **os.environ,
-                               "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"})
-      rec = json.loads(out.stdout.strip().splitlines()[-1])
-      results["host_memory"][rec["model"]] = rec
-      log("memory", f"build {rec['model']} ({rec['model_bytes'] / 2**20:.0f} MiB, largest "
-          f"param {rec['largest_param_bytes'] / 2**20:.0f} MiB): transient peak",
-          f"{rec['transient_bytes'] / 2**20:.1f} MiB = "
-          f"{rec['transient_bytes'] / rec['largest_param_bytes']:.2f} x largest param")
-
-  # 5. scaling shape of the audit's bytes.
-  if "scaling" not in skip and jax.device_count() >= 8:
+    results["host_memory"] = host_memory_section(log)
+  if "scaling" not in skip and jax.device_count() >= 8:  # 5. how the audit's bytes scale
     results["scaling"] = scaling_report(args.preset, tx, log)
-
   if "device" not in skip and platform_name == "gpu":
+    from bench.mfu import device_report
     results["device"] = device_report(args.preset, args.repeats, log)
 
   Path(args.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
@@ -339,6 +174,120 @@ def main(argv=None) -> int:
   except PlotsUnavailable as err:
     print(f"no plots: {err}")
   return 0
+
+
+def audit_and_peers_section(cfg, spec: str, tokens_host, tx, args, skip: set[str],
+                            log) -> dict[str, Any]:
+  """Sections 1 and 2 on one mesh: flax_tp's collectives against Megatron's minimum, and
+  its step beside GSPMD's (with a model axis) or data parallelism's (without)."""
+  import flax_tp
+  from bench import peers
+  from flax_tp.hlo import collectives
+
+  mesh = flax_tp.make_mesh(spec)
+  _, mine, mine_compile = flax_tp_contender(cfg, mesh, tokens_host, tx)
+  entry: dict[str, Any] = {"flax_tp": {"compile_s": mine_compile}}
+  audit = audit_step(cfg, mesh, mine.compiled, mine.state[0], args.batch_size, args.seq_len)
+  entry["audit"] = audit
+  if "audit" not in skip:
+    log("audit", f"{spec}: collectives measured/minimum (count)",
+        f"{audit['measured']['count']}/{audit['minimum']['count']} = "
+        f"{audit['count_ratio'] or float('nan'):.2f}")
+    log("audit", f"{spec}: bytes per device measured/minimum",
+        f"{audit['measured']['bytes']:,}/{audit['minimum']['bytes']:,} = "
+        f"{audit['bytes_ratio'] or float('nan'):.3f}")
+    for ex in audit["excess"]:
+      log("audit", f"{spec}: excess: {ex['what']}",
+          f"{ex['tensors']} tensors, {ex['bytes']} B ({ex['why'].split(':')[0]})")
+  if "peers" in skip:
+    return entry
+  contenders = {"flax_tp": mine}
+  # With a model axis: GSPMD on the reference (separate q/k/v) and on a GPT with one
+  # fused q/k/v projection; without: data parallelism.
+  others = ((peers.gspmd, peers.gspmd_fused) if mesh.shape["model"] > 1
+            else (peers.data_parallel,))
+  for make in others:
+    peer = make(cfg, tx, mesh)
+    contenders[peer.name], seconds = peer_contender(peer, tokens_host)
+    entry[peer.name] = {"compile_s": seconds}
+  medians = interleaved_medians(contenders, args.repeats)
+  for name, c in contenders.items():
+    stats = c.compiled.memory_analysis()
+    entry.setdefault(name, {}).update(
+        step_s=medians[name],
+        collective_bytes=sum(x.bytes for x in collectives(c.compiled.as_text(), mesh)),
+        param_bytes_per_device=per_device_bytes(c.state[0]),
+        opt_state_bytes_per_device=per_device_bytes(c.state[1]),
+        temp_bytes=stats.temp_size_in_bytes)
+  for other in list(contenders)[1:]:
+    a, b = entry["flax_tp"], entry[other]
+    for key, label in (("step_s", "step time"), ("compile_s", "compile time"),
+                       ("collective_bytes", "collective bytes"),
+                       ("param_bytes_per_device", "param bytes/device"),
+                       ("opt_state_bytes_per_device", "optimizer bytes/device"),
+                       ("temp_bytes", "compiled temp bytes")):
+      ratio = a[key] / b[key] if b[key] else float("nan")
+      fmt = ((lambda v: f"{v * 1e3:.1f} ms") if key.endswith("_s")
+             else (lambda v: f"{v:,}"))
+      log("peers", f"{spec}: {label} flax_tp / {other}",
+          f"{fmt(a[key])} / {fmt(b[key])} = {ratio:.2f}")
+      # "ratios": against the first peer (as before); "ratios_<peer>" against each.
+      entry.setdefault(f"ratios_{other}", {})[key] = ratio
+      if other == list(contenders)[1]:
+        entry.setdefault("ratios", {})[key] = ratio
+  return entry
+
+
+def overhead_section(cfg, tokens_host, tx, repeats: int, log) -> dict[str, Any]:
+  """Section 3: flax_tp at one device against plain Flax, the step and one layer."""
+  import flax_tp
+  from bench import peers
+
+  mesh = flax_tp.make_mesh("1x1")
+  _, mine, _ = flax_tp_contender(cfg, mesh, tokens_host, tx)
+  ref, _ = peer_contender(peers.single(cfg, tx), tokens_host)
+  medians = interleaved_medians({"flax_tp": mine, "reference": ref}, repeats)
+  ratio = medians["flax_tp"] / medians["reference"]
+  log("overhead", "1x1 train step flax_tp / plain Flax (goal <= 1.05)",
+      f"{medians['flax_tp'] * 1e3:.1f} / {medians['reference'] * 1e3:.1f} ms = {ratio:.3f}")
+  layer_medians = dense_overhead(mesh, repeats)
+  layer_ratio = layer_medians["column"] / layer_medians["linear"]
+  log("overhead", "1x1 ColumnParallelDense / nnx.Linear forward (512->2048, 1024 rows)",
+      f"{layer_medians['column'] * 1e3:.2f} / {layer_medians['linear'] * 1e3:.2f} ms = "
+      f"{layer_ratio:.3f}")
+  return {"step": {**medians, "ratio": ratio},
+          "column_dense": {**layer_medians, "ratio": layer_ratio}}
+
+
+def memory_section(cfg, meshes: list[str], tx, log) -> dict[str, Any]:
+  """Section 4: params + optimizer state per device against dense / M, per mesh."""
+  import flax_tp
+
+  out = {}
+  for spec in meshes:
+    mem = out[spec] = memory_report(cfg, flax_tp.make_mesh(spec), tx)
+    log("memory", f"{spec}: params+opt bytes/device vs dense/M (+replicated)",
+        f"{mem['per_device_bytes']:,} vs {mem['dense_over_m_bytes']:,} + "
+        f"{mem['replicated_bytes']:,} = {mem['ratio']:.3f}")
+  return out
+
+
+def host_memory_section(log) -> dict[str, Any]:
+  """Section 4 (host): the transient host memory of building each model, in a process
+  of its own (``bench.hostmem``)."""
+  out = {}
+  for flag in ([], ["--reference"]):
+    done = subprocess.run([sys.executable, "-m", "bench.hostmem", *flag], cwd=ROOT,
+                          capture_output=True, text=True, check=True, env={
+                              **os.environ,
+                              "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"})
+    rec = json.loads(done.stdout.strip().splitlines()[-1])
+    out[rec["model"]] = rec
+    log("memory", f"build {rec['model']} ({rec['model_bytes'] / 2**20:.0f} MiB, largest "
+        f"param {rec['largest_param_bytes'] / 2**20:.0f} MiB): transient peak",
+        f"{rec['transient_bytes'] / 2**20:.1f} MiB = "
+        f"{rec['transient_bytes'] / rec['largest_param_bytes']:.2f} x largest param")
+  return out
 
 
 def dense_overhead(mesh, repeats: int) -> dict[str, float]:
@@ -418,38 +367,6 @@ def scaling_report(preset: str, tx, log) -> list[dict[str, Any]]:
         f"{model_bytes:,} = {per_bsd:.2f} B per local b*s*d; measured/min "
         f"{audit['bytes_ratio']:.3f}")
   return points
-
-
-def device_report(preset: str, repeats: int, log) -> dict[str, Any]:
-  """One accelerator: step time and model FLOP utilisation of the default model."""
-  import jax
-  import numpy as np
-
-  import flax_tp
-  from bench import peers
-  from bench.mfu import PEAK_TFLOPS, model_flops, param_count
-  from models.config import TransformerConfig
-  from train.step import make_optimizer
-  out = {"device": jax.devices()[0].device_kind}
-  # The H200's datasheet peaks (as the H100's): dense TF32 and bfloat16.
-  peak = {dtype: PEAK_TFLOPS[("NVIDIA H200", dtype)] * 1e12 for dtype in ("float32", "bfloat16")}
-  tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10)
-  mesh = flax_tp.make_mesh("1x1")
-  for dtype in ("float32", "bfloat16"):
-    for batch, seq in ((32, 128), (256, 512)):
-      cfg = TransformerConfig.preset(preset, dtype=dtype, max_seq_len=seq)
-      tokens = np.asarray(peers.tokens_for(cfg, batch, seq))
-      _, mine, _ = flax_tp_contender(cfg, mesh, tokens, tx)
-      ref, _ = peer_contender(peers.single(cfg, tx), tokens)
-      medians = interleaved_medians({"flax_tp": mine, "reference": ref}, max(repeats, 10))
-      flops = model_flops(cfg, param_count(cfg), batch, seq)
-      mfu = flops / medians["flax_tp"] / peak[dtype]
-      key = f"{dtype} b={batch} s={seq}"
-      out[key] = {**medians, "model_flops": flops, "mfu": mfu, "peak_flops": peak[dtype]}
-      log("device", f"{key}: step flax_tp / plain Flax; MFU",
-          f"{medians['flax_tp'] * 1e3:.2f} / {medians['reference'] * 1e3:.2f} ms; "
-          f"MFU {mfu * 100:.2f}%")
-  return out
 
 
 if __name__ == "__main__":
