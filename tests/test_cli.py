@@ -165,7 +165,7 @@ def test_simulated_devices_get_a_spare_thread_each(monkeypatch):
   """XLA:CPU's pool gets twice as many threads as simulated devices (a collective holds
   its thread while it waits; see flax_tp.mesh.cpu_thread_pool_size), the device count the
   user chose counts, and a user's NPROC stays."""
-  from train.run import provide_cpu_devices
+  from train.devices import provide_cpu_devices
   monkeypatch.delenv("NPROC", raising=False)
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=12")
   provide_cpu_devices(8)

@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -34,7 +32,8 @@ from train.errors import RunError, UsageError, exit_on_interrupt, not_utf8
 if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there is one line
   exit_on_interrupt("train/generate.py")
 
-from train.run import INT_MAX, SEED_LIMIT, _Parser, one_line, provide_mesh_devices
+from train.cli import INT_MAX, SEED_LIMIT, UsageParser, exit_ladder, one_line
+from train.devices import provide_mesh_devices
 
 # The logits are divided by the temperature in float32: below its smallest normal number
 # the division overflows to inf (NaN probabilities), above its largest it is inf itself.
@@ -42,7 +41,7 @@ FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="train/generate.py", description=__doc__.split("\n\n")[0],
+  p = UsageParser(prog="train/generate.py", description=__doc__.split("\n\n")[0],
               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   source = p.add_mutually_exclusive_group(required=True)
   source.add_argument("--hf", metavar="DIR", help="a HuggingFace Llama/Qwen2 model folder")
@@ -93,7 +92,7 @@ def check_args(args: argparse.Namespace) -> None:
 def load_from_hf(args, mesh):
   """(model, tokenizer, eos ids) of an HF folder."""
   from models.hf import HFConfigError, load_hf
-  from train.loop import hf_model_and_tokenizer
+  from train.hf_folder import hf_model_and_tokenizer
   overrides = {"dtype": args.dtype} if args.dtype else {}
   try:
     _, tokenizer = hf_model_and_tokenizer(args.hf, overrides, flag="--hf")
@@ -227,27 +226,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+  return exit_ladder("train/generate.py", lambda: _main(argv), interrupted="\n")
+
+
+def _main(argv: list[str] | None) -> int:
+  args = build_parser().parse_args(argv)
+  check_args(args)
+  provide_mesh_devices(args.mesh)
   try:
-    args = build_parser().parse_args(argv)
-    check_args(args)
-    provide_mesh_devices(args.mesh)
-    try:
-      return run(args)
-    except (UsageError, RunError):
-      raise
-    except Exception as err:
-      raise RunError(one_line(err)) from err
-  except UsageError as err:
-    print(f"train/generate.py: error: {err}", file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:
-    print("\ntrain/generate.py: interrupted", file=sys.stderr)
-    return 130
-  except RunError as err:
-    print(f"train/generate.py: error: {err}", file=sys.stderr)
-    if os.environ.get("FLAX_TP_TRACEBACK") and err.__cause__ is not None:
-      traceback.print_exception(err.__cause__)
-    return 1
+    return run(args)
+  except (UsageError, RunError):
+    raise
+  except Exception as err:
+    raise RunError(one_line(err)) from err
 
 
 if __name__ == "__main__":

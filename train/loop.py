@@ -28,10 +28,11 @@ from flax_tp.param_info import ParamInfo
 from flax_tp.run_lock import LOCK_NAME, FolderInUse, FolderLock
 from models.config import TransformerConfig
 from models.execution import Execution
-from models.hf import HFConfigError, load_hf, read_config
+from models.hf import load_hf
 from models.transformer import Transformer
-from train.data import HFTokenizer, TokenCorpus
+from train.data import TokenCorpus
 from train.errors import RunError, UsageError, say
+from train.hf_folder import hf_model_and_tokenizer
 from train.sample import sample_tokens
 from train.step import LossOptions, Trainer, make_optimizer
 from train.tempfiles import remove_registered, remove_stale, temp_beside
@@ -247,26 +248,6 @@ def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
     notes.append("note: the data files changed since the checkpoint was written; batches "
                  "after it will differ from the interrupted run's")
   return int(meta["step"]), notes
-
-
-def hf_model_and_tokenizer(folder: str, overrides: dict[str, Any], flag: str = "--init-from"):
-  """The config and tokenizer of an HF folder (UsageError naming ``flag`` and what is wrong)."""
-  try:
-    cfg = read_config(folder, **overrides)
-  except (HFConfigError, ValueError, KeyError, OSError) as err:
-    raise UsageError(f"{flag} {folder!r}: {err}") from None
-  path = Path(folder) / "tokenizer.json"
-  if not path.is_file():
-    raise UsageError(f"{flag} {folder!r} has no tokenizer.json: the text cannot be "
-                     "turned into this model's tokens")
-  try:
-    tokenizer = HFTokenizer(path)
-  except Exception as err:  # tokenizers raises its own exception types
-    raise UsageError(f"{flag} {folder!r}: cannot read tokenizer.json: {err}") from None
-  if tokenizer.vocab_size > cfg.vocab_size:
-    raise UsageError(f"{flag} {folder!r}: tokenizer.json has {tokenizer.vocab_size} "
-                     f"tokens, more than the model's vocab_size {cfg.vocab_size}")
-  return cfg, tokenizer
 
 
 def _from_process_0(text: str) -> str:

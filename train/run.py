@@ -15,21 +15,18 @@ import argparse
 import math
 import os
 import sys
-import traceback
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from train.errors import (
-  MAX_SIMULATED_DEVICES,
   RunError,
   UsageError,
   exit_on_interrupt,
   not_utf8,
   say,
   unwritable_file,
-  xla_device_count_problem,
 )
 
 if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there is one line
@@ -38,6 +35,8 @@ if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there i
 from flax_tp.remat import REMAT_CHOICES
 from models.config import TransformerConfig
 from train import distributed as train_distributed
+from train.cli import INT_MAX, SEED_LIMIT, UsageParser, exit_ladder, one_line
+from train.devices import provide_mesh_devices
 
 DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=128, lr=3e-3,
                 warmup_steps=40, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
@@ -45,14 +44,9 @@ DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=12
                 sample_prompt="def ", sample_length=200, init_timeout=60, heartbeat_timeout=20)
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # one line, not usage + traceback
-    raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
   d = DEFAULTS
-  p = _Parser(prog="train/run.py", description=__doc__.split("\n\n")[0],
+  p = UsageParser(prog="train/run.py", description=__doc__.split("\n\n")[0],
               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--mesh", default=d["mesh"],
                  help="DxM: D-way data parallel by M-way tensor (model) parallel")
@@ -135,10 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-INT_MAX = 2**31 - 1  # steps, sizes and counters are int32 inside the compiled step
-SEED_LIMIT = 2**32
-
-
 def _flag(name: str) -> str:
   return "--" + name.replace("_", "-")
 
@@ -219,88 +209,36 @@ def check_writable_file(flag: str, path: Path) -> None:
 # (another 8-device process compiling on the same 2 cores) can hold one back that long
 # without any hang, so wait longer. A real deadlock still ends in XLA's abort, after
 # this wait (flax_tp.mesh.cpu_thread_pool_size removes the one seen).
-CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
-
-
-def provide_cpu_devices(count: int) -> None:
-  """Asks XLA's CPU platform for ``count`` devices unless the user chose a number, lets
-  their collectives wait out a busy host (``CPU_COLLECTIVE_TIMEOUT_FLAG``), and gives
-  them a thread pool with a spare thread per device (``flax_tp.mesh.cpu_thread_pool_size``,
-  unless ``NPROC`` is set)."""
-  from flax_tp.mesh import cpu_thread_pool_size, simulated_device_count
-  flags = os.environ.get("XLA_FLAGS", "")
-  problem = xla_device_count_problem(flags)
-  if problem:
-    raise UsageError(problem)
-  if "xla_force_host_platform_device_count" not in flags:
-    flags = f"{flags} --xla_force_host_platform_device_count={count}"
-  if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
-    flags = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}"
-  os.environ["XLA_FLAGS"] = flags.strip()
-  # JAX has not started here (this runs before it is imported), so NPROC still counts.
-  os.environ.setdefault("NPROC", str(cpu_thread_pool_size(simulated_device_count(flags))))
-
-
-def provide_mesh_devices(mesh: str, processes: int = 1) -> None:
-  """Checks ``--mesh`` (UsageError) and provides this process's share of its CPU devices."""
-  from flax_tp.mesh import parse_mesh_spec
-  try:
-    data, model = parse_mesh_spec(mesh)
-  except ValueError as err:
-    raise UsageError(str(err)) from None
-  if (data * model) % processes:
-    raise UsageError(f"--mesh {mesh} has {data * model} devices, which "
-                     f"{processes} processes cannot share evenly")
-  if data * model // processes > MAX_SIMULATED_DEVICES and not os.environ.get("XLA_FLAGS"):
-    raise UsageError(f"--mesh {mesh} needs {data * model:,} devices; at most "
-                     f"{MAX_SIMULATED_DEVICES} per process can be simulated on a CPU")
-  provide_cpu_devices(data * model // processes)
-
-
 def main(argv: list[str] | None = None) -> int:
+  return exit_ladder("train/run.py", lambda: _main(argv),
+                     failures=(train_distributed.DistributedError,))
+
+
+def _main(argv: list[str] | None) -> int:
+  args = build_parser().parse_args(argv)
+  check_args(args)
+  distributed = train_distributed.from_args(args)
+  provide_mesh_devices(args.mesh, (distributed.num_processes or 1) if distributed else 1)
+  if distributed:
+    train_distributed.silence_native_stdout()
+    if os.environ.get("FLAX_TP_NATIVE_LOG"):
+      train_distributed.divert_native_stderr(os.environ["FLAX_TP_NATIVE_LOG"])
+    train_distributed.initialize(distributed, timeout_s=args.init_timeout,
+                                 heartbeat_s=args.heartbeat_timeout)
+  from train.loop import run  # imports jax: after the device count is set
   try:
-    args = build_parser().parse_args(argv)
-    check_args(args)
-    distributed = train_distributed.from_args(args)
-    provide_mesh_devices(args.mesh, (distributed.num_processes or 1) if distributed else 1)
-    if distributed:
-      train_distributed.silence_native_stdout()
-      if os.environ.get("FLAX_TP_NATIVE_LOG"):
-        train_distributed.divert_native_stderr(os.environ["FLAX_TP_NATIVE_LOG"])
-      train_distributed.initialize(distributed, timeout_s=args.init_timeout,
-                                   heartbeat_s=args.heartbeat_timeout)
-    from train.loop import run  # imports jax: after the device count is set
-    try:
-      return run(args)
-    except (UsageError, RunError):
-      raise
-    except Exception as err:
-      reason = train_distributed.lost_peer(err) if distributed else None
-      if reason is None:
-        raise RunError(one_line(err)) from err
-      # Straight to the file descriptor (a live progress display may still hold
-      # sys.stderr), then skip JAX's shutdown barrier, which would wait for the
-      # dead process.
-      say(f"train/run.py: error: {reason}; stopping")
-      os._exit(1)
-  except UsageError as err:
-    print(f"train/run.py: error: {err}", file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:  # outside the training loop, which saves and stops by itself
-    print("train/run.py: interrupted", file=sys.stderr)
-    return 130
-  except (train_distributed.DistributedError, RunError) as err:
-    print(f"train/run.py: error: {err}", file=sys.stderr)
-    if os.environ.get("FLAX_TP_TRACEBACK") and err.__cause__ is not None:
-      traceback.print_exception(err.__cause__)
-    return 1
-
-
-def one_line(err: BaseException) -> str:
-  """``Type: first line`` of an unexpected failure (the traceback: FLAX_TP_TRACEBACK=1)."""
-  lines = str(err).strip().splitlines()
-  text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
-  return f"{text} (set FLAX_TP_TRACEBACK=1 for the traceback)"
+    return run(args)
+  except (UsageError, RunError):
+    raise
+  except Exception as err:
+    reason = train_distributed.lost_peer(err) if distributed else None
+    if reason is None:
+      raise RunError(one_line(err)) from err
+    # Straight to the file descriptor (a live progress display may still hold
+    # sys.stderr), then skip JAX's shutdown barrier, which would wait for the
+    # dead process.
+    say(f"train/run.py: error: {reason}; stopping")
+    os._exit(1)
 
 
 if __name__ == "__main__":
