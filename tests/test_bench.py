@@ -7,6 +7,9 @@ import pytest
 from bench.run import main, megatron_minimum
 from models.config import TransformerConfig
 
+# Processes spawned / the benchmarks run: the slow lane (.ci/run runs it second).
+pytestmark = pytest.mark.slow
+
 
 def test_bench_smoke(tmp_path):
   out = tmp_path / "new" / "results.json"  # the folder is made before the run

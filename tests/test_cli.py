@@ -2,13 +2,18 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from helpers import TINY_RUN_FLAGS
 
 from train.run import main
+
+FLAGS = TINY_RUN_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = [sys.executable, str(ROOT / "train" / "run.py")]
@@ -20,18 +25,20 @@ def env(**extra):
   return e
 
 
+@pytest.mark.slow
 def test_help_documents_every_flag():
+  """Every flag the parser knows (read from it, so none can be skipped) is in --help."""
+  from train.run import build_parser
   out = subprocess.run([*RUN, "--help"], capture_output=True, text=True, env=env(), timeout=120)
   assert out.returncode == 0
-  for flag in ("--mesh", "--preset", "--steps", "--batch-size", "--seq-len", "--lr",
-               "--warmup-steps", "--weight-decay", "--grad-clip", "--dropout", "--dtype",
-               "--seed", "--data", "--eval-every", "--checkpoint-dir", "--checkpoint-every",
-               "--resume", "--metrics-file", "--sample-prompt", "--overwrite",
-               "--keep-checkpoints", "--init-from", "llama-125m", "--sequence-parallel",
-               "--remat", "--scan-layers"):
-    assert flag in out.stdout
+  flags = [f for action in build_parser()._actions for f in action.option_strings
+           if f.startswith("--")]
+  assert {"--fsdp", "--sequence-parallel", "--remat", "--scan-layers", "--init-from"} <= set(flags)
+  for flag in [*flags, "llama-125m"]:
+    assert flag in out.stdout, flag
 
 
+@pytest.mark.slow
 def test_a_few_steps_in_a_fresh_process(tmp_path):
   """No XLA_FLAGS given: the script provides the 8 simulated devices itself."""
   data = tmp_path / "data.txt"
@@ -50,6 +57,7 @@ def test_a_few_steps_in_a_fresh_process(tmp_path):
   assert (ck / "3").is_dir()
 
 
+@pytest.mark.slow
 def test_mesh_too_large_exits_2_with_one_line():
   out = subprocess.run([*RUN, "--mesh", "3x3"], capture_output=True, text=True, timeout=120,
                        env=env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
@@ -80,6 +88,7 @@ def test_bad_flags_exit_2_with_one_line(capsys, argv, message):
   assert captured.err.startswith("train/run.py: error: ")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,argv,message", [
     (["train/launch.py"], ["--processes", "two"], "train/launch.py: error: argument --processes"),
     (["-m", "bench.run"], ["--repeats", "abc"], "bench/run.py: error: argument --repeats"),
@@ -148,6 +157,7 @@ def test_an_impossible_xla_device_count_is_one_line(monkeypatch, capsys, count, 
   assert stop.value.code == 2 and "bench.plan: error: XLA_FLAGS sets" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,argv,message", [
     ("bench.hostmem", ["--mesh", "0x0"], "bench.hostmem: error: bad mesh spec '0x0'"),
     ("bench.ckptmem", ["--processes", "0"], "bench.ckptmem: error: argument --processes: "
@@ -174,3 +184,61 @@ def test_simulated_devices_get_a_spare_thread_each(monkeypatch):
   monkeypatch.setenv("NPROC", "5")
   provide_cpu_devices(8)
   assert os.environ["NPROC"] == "5"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals", [1, 2])
+def test_ctrl_c_during_start_up_is_one_line(signals):
+  """Ctrl-C while the script imports JAX (and a second one): one line, status 130."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.Popen([sys.executable, str(ROOT / "train" / "run.py"), "--mesh", "2x4"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  time.sleep(0.5)  # python is up (the handler is set first thing), JAX is being imported
+  for _ in range(signals):
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130 and err == "train/run.py: interrupted\n", err
+
+
+def test_no_blank_line_before_an_error_on_a_cold_cache(tmp_path, monkeypatch, capsys):
+  """Tokenizing into an empty cache shows no progress bar off a terminal (rich's transient
+  bar left an empty line before the error)."""
+  monkeypatch.setenv("FLAX_TP_CACHE", str(tmp_path / "cache"))
+  data = tmp_path / "tiny.txt"
+  data.write_text("abc\n")
+  assert main([*FLAGS, "--mesh", "1x2", "--data", str(data)]) == 2
+  captured = capsys.readouterr()
+  assert captured.out == ""
+  assert captured.err.startswith("train/run.py: error: --data") and captured.err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**32), got -1"),
+    (["--seed", "99999999999999999999"], "--seed must be an integer in [0, 2**32)"),
+    (["--grad-clip", "nan"], "--grad-clip must be a number >= 0 (0: off), got nan"),
+    (["--weight-decay", "nan"], "--weight-decay must be a number >= 0, got nan"),
+    (["--lr", "inf"], "--lr must be a positive number, got inf"),
+    (["--z-loss", "nan"], "--z-loss must be a number >= 0, got nan"),
+    (["--steps", "99999999999"], "--steps must be an integer in [1, 2147483647]"),
+    (["--checkpoint-dir", "/proc/foo"], "--checkpoint-dir '/proc/foo' cannot be created"),
+    (["--checkpoint-dir", __file__], "is a file, not a folder"),
+    (["--metrics-file", "/proc/nope/m.jsonl"], "folder '/proc/nope' does not exist"),
+    (["--metrics-file", "/"], "--metrics-file '/' is a folder, not a file"),
+    (["--overwrite"], "--overwrite needs --checkpoint-dir"),
+    (["--mesh", "100000x100000"], "'100000x100000' needs 10000000000 devices"),
+])
+def test_more_bad_values_exit_2_with_one_line(capsys, argv, message):
+  assert main(argv) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and message in err and err.startswith("train/run.py: error: ")
+
+
+@pytest.mark.slow
+def test_huge_mesh_in_a_fresh_process_is_one_line():
+  """Without XLA_FLAGS the script would ask XLA for the devices; it refuses first."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run([sys.executable, str(ROOT / "train" / "run.py"), "--mesh",
+                        "100000x100000"], capture_output=True, text=True, env=env, timeout=120)
+  assert out.returncode == 2 and out.stderr.count("\n") == 1
+  assert "at most 1024 per process can be simulated" in out.stderr

@@ -16,6 +16,9 @@ from helpers import TINY_RUN_FLAGS
 from train.launch import free_port
 from train.run import main
 
+# Processes spawned / the benchmarks run: the slow lane (.ci/run runs it second).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = TINY_RUN_FLAGS
 

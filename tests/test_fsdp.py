@@ -154,6 +154,7 @@ def test_an_fsdp_model_runs_outside_the_step(spec):
                                 call(plain, jnp.arange(32).reshape(4, 8) % 259))
 
 
+@pytest.mark.slow
 def test_the_cli_says_what_fsdp_leaves_whole_and_resumes_without_it(tmp_path, capsys):
   """--fsdp is an execution option: a run resumes without it (another mesh too) with the
   losses of a run that never used it. Params the data axis cannot split are named (a

@@ -285,6 +285,7 @@ def hf_folder(tmp_path_factory):
   return root / "model", corpus
 
 
+@pytest.mark.slow
 def test_init_from_fine_tunes_then_resumes_on_another_mesh(tmp_path, hf_folder, capsys):
   from train.run import main
   folder, corpus = hf_folder

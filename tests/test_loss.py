@@ -1,13 +1,18 @@
 """vocab_parallel_cross_entropy against optax on the full logits, gradients included."""
 
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import flax_tp
+from models.config import TransformerConfig
+from models.transformer import Transformer
+from train.step import LossOptions, Trainer, make_optimizer
 
 VOCAB = 257  # uneven over 2, 3, 4 and 8
 LOGITS = 3.0 * jax.random.normal(jax.random.key(0), (4, 5, VOCAB))
@@ -72,3 +77,41 @@ def test_bad_shapes_and_options(meshes):
                   out_specs=P())(jnp.zeros((4, 5, 8 * 64)), LABELS)
   with pytest.raises(ValueError, match="label_smoothing"):
     flax_tp.vocab_parallel_cross_entropy(LOGITS, LABELS, label_smoothing=1.5)
+
+
+def test_labels_outside_the_vocabulary_give_nan_like_optax():
+  logits = jax.random.normal(jax.random.key(0), (2, 4, 10))
+  labels = jnp.array([[0, 10, 3, -1], [9, 2, 11, -100]])
+  mine = flax_tp.vocab_parallel_cross_entropy(logits, labels)
+  ref = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.clip(labels, 0, 9))
+  bad = (labels < 0) | (labels >= 10)
+  assert np.isnan(np.asarray(mine)[np.asarray(bad)]).all()
+  np.testing.assert_allclose(np.asarray(mine)[~np.asarray(bad)],
+                             np.asarray(ref)[~np.asarray(bad)], rtol=1e-6)
+  assert np.isnan(optax.softmax_cross_entropy_with_integer_labels(logits, labels)[0, 1])
+
+
+@pytest.mark.parametrize("spec", ["1x1", "2x4"])
+def test_ignore_index_mean_over_global_kept_tokens(spec):
+  """-100 labels, all in the first data shard's rows: the mean is over the kept tokens
+  of the whole batch (a per-shard mean would weigh the shards' tokens differently)."""
+  cfg = TransformerConfig.tiny()
+  tokens = jax.random.randint(jax.random.key(1), (4, cfg.max_seq_len + 1), 0, cfg.vocab_size)
+  labels = tokens[:, 1:].at[:2, :-3].set(-100)  # rows 0-1: only the last 3 tokens kept
+  trainer = Trainer(Transformer(cfg, mesh=flax_tp.make_mesh(spec), rngs=nnx.Rngs(0)),
+                    make_optimizer(lr=1e-2, steps=10), LossOptions(ignore_index=-100))
+  sharding = trainer.batch_sharding
+  loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, jax.device_put(tokens, sharding), None,
+                                       jax.device_put(labels, sharding))
+
+  def reference(params):
+    logits = nnx.merge(trainer.graphdef, params)(tokens[:, :-1])
+    kept = labels != -100
+    per = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(kept, labels, 0))
+    return jnp.sum(jnp.where(kept, per, 0.0)) / jnp.sum(kept)
+
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(trainer.params)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(flax_tp.unshard(grads)),
+                  jax.tree.leaves(flax_tp.unshard(ref_grads)), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

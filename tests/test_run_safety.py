@@ -54,6 +54,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_a_second_run_in_a_held_checkpoint_dir_refuses_naming_the_holder(tmp_path, corpus,
                                                                           capsys):
   """While another process (another job, or a host sharing the folder) holds the folder,
@@ -127,6 +128,7 @@ print("finished", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_tokenizing_leaves_no_partial_token_file(tmp_path, signum):
   """Ctrl-C or SIGTERM during start-up ends the process with os._exit (no traceback), which
@@ -287,6 +289,7 @@ except ValueError as err:
 """
 
 
+@pytest.mark.slow
 def test_the_library_gives_simulated_devices_their_spare_threads():
   """Imported before JAX starts, flax_tp sets NPROC for the devices XLA_FLAGS asks for (a
   library generate() on 8 devices without it aborted in an all-reduce); imported after,

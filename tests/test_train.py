@@ -71,6 +71,7 @@ def test_dropout_is_mesh_independent(tmp_path, corpus, dropout_runs):
   assert abs(dropout_runs("1x1")[0] - losses(plain)[0]) > 1e-3  # dropout did change the loss
 
 
+@pytest.mark.slow
 def test_resume_after_interrupt_equals_uninterrupted(tmp_path, corpus):
   full_dir = tmp_path / "full"
   full = train(tmp_path, corpus, "full", "--mesh", "2x4", "--steps", "6",
@@ -145,6 +146,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, capsys)
   assert not (ck / "6").exists()
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_exit_2(tmp_path, corpus, capsys):
   ck = tmp_path / "ck"
   train(tmp_path, corpus, "a", "--mesh", "1x2", "--steps", "1", "--checkpoint-dir", str(ck))
@@ -186,6 +188,7 @@ def test_data_folder_and_split(tmp_path):
 OPTIONS = ["--sequence-parallel", "--remat", "dots_saveable", "--scan-layers"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_spec", ["1x8", "2x4"])
 def test_memory_options_change_no_loss(tmp_path, corpus, dropout_runs, mesh_spec):
   """Sequence parallelism, recomputation and scanned layers together give the plain
