@@ -113,28 +113,6 @@ def test_signals_save_the_last_step_and_resume_exactly(tmp_path, corpus):
   assert [r["loss"] for r in records if "loss" in r] == ref_losses[:second]
 
 
-def test_second_signal_aborts_at_once(monkeypatch, capfd):
-  from train import loop
-
-  class Aborted(Exception):
-    pass
-
-  def fake_exit(code):
-    raise Aborted(code)
-
-  monkeypatch.setattr(loop.os, "_exit", fake_exit)
-  with loop.Interrupts() as interrupts:
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(0.05)  # the handler runs in the main thread, between bytecodes
-    assert interrupts.requested() and interrupts.exit_status == 143
-    with pytest.raises(Aborted) as aborted:
-      os.kill(os.getpid(), signal.SIGINT)
-      time.sleep(0.05)
-  assert aborted.value.args == (128 + signal.SIGINT,)
-  assert "second signal (SIGINT): aborting without saving" in capfd.readouterr().err
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
-
-
 def test_a_failing_save_exits_1_with_one_line(tmp_path, corpus, capsys, monkeypatch):
   def disk_full(*_):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

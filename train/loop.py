@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
-import os
 import signal
-import sys
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -22,26 +17,23 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import flax_tp
-from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, describe_not_ours
+from flax_tp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
 from flax_tp.data_parallel import unshard_over_data
 from flax_tp.param_info import ParamInfo
-from flax_tp.run_lock import LOCK_NAME, FolderInUse, FolderLock
 from models.config import TransformerConfig
 from models.execution import Execution
 from models.hf import load_hf
 from models.transformer import Transformer
 from train.data import TokenCorpus
-from train.errors import RunError, UsageError, say
+from train.errors import RunError, UsageError
 from train.hf_folder import hf_model_and_tokenizer
+from train.metrics import MetricsWriter, is_main_process
+from train.resume import claim_checkpoint_dir, lock_checkpoint_dir, resume_point, run_identity
 from train.sample import sample_tokens
+from train.signals import Interrupts
 from train.step import LossOptions, Trainer, make_optimizer
-from train.tempfiles import remove_registered, remove_stale, temp_beside
 
 EVAL_BATCHES = 4
-
-
-def is_main_process() -> bool:
-  return jax.process_index() == 0
 
 
 def global_batch(corpus: TokenCorpus, split: str, seed: int, step: int, batch_size: int,
@@ -76,213 +68,6 @@ def param_summary(params: nnx.State) -> dict[str, int]:
 
 def _mib(n: int) -> str:
   return f"{n / 2**20:.2f} MiB"
-
-
-class MetricsWriter:
-  """One JSON line per record, appended (process 0 only).
-
-  On resume from step ``resume_from``, records past it (steps the interrupted
-  run did after its last checkpoint, which this run does again) are dropped
-  first, so the file holds each step once.
-  """
-
-  def __init__(self, path: str | None, resume_from: int | None = None):
-    self.file = None
-    if not (path and is_main_process()):
-      return
-    if resume_from is not None and os.path.exists(path):
-      _drop_records_after(Path(path), resume_from)
-    self.file = open(path, "a", encoding="utf-8")
-
-  def write(self, record: dict[str, Any]) -> None:
-    if self.file:
-      self.file.write(json.dumps(record) + "\n")
-      self.file.flush()
-
-  def close(self) -> None:
-    if self.file:
-      self.file.close()
-
-
-def _drop_records_after(path: Path, step: int) -> None:
-  kept = []
-  for line in path.read_text(encoding="utf-8").splitlines():
-    try:
-      record = json.loads(line)
-    except ValueError:
-      continue  # a line cut short by a kill
-    if not (isinstance(record, dict) and isinstance(record.get("step"), int)
-            and record["step"] > step):
-      kept.append(line)
-  # Beside it under a name of flax_tp's own (a user's m.jsonl.tmp stays theirs), removed
-  # on every way out, a full disk included.
-  remove_stale(path.parent)
-  with temp_beside(path) as tmp:
-    with open(tmp, "x", encoding="utf-8") as f:
-      f.write("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-
-
-class Interrupts:
-  """SIGINT and SIGTERM ask the loop to stop after the step in flight; a second aborts.
-
-  The handler only records the signal: the step runs to completion, so its
-  (donated) inputs are replaced by whole outputs before anything is saved.
-  """
-
-  SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-  def __init__(self):
-    self.received: int | None = None
-    self._previous: dict[int, Any] = {}
-
-  def __enter__(self) -> Interrupts:
-    if threading.current_thread() is threading.main_thread():
-      for signum in self.SIGNALS:
-        self._previous[signum] = signal.signal(signum, self._handle)
-    return self
-
-  def __exit__(self, *exc) -> None:
-    for signum, handler in self._previous.items():
-      signal.signal(signum, handler)
-
-  def _handle(self, signum: int, _frame) -> None:
-    name = signal.Signals(signum).name
-    if self.received is not None:
-      say(f"train/run.py: second signal ({name}): aborting without saving")
-      remove_registered()  # os._exit runs no finally
-      os._exit(128 + signum)
-    self.received = signum
-    # On a terminal a new line first ends the progress bar's line; a log gets no blank line.
-    say(("\n" if sys.stdout.isatty() else "") + f"{name} received: stopping after the current "
-        "step (send it again to abort at once)")
-
-  def requested(self) -> bool:
-    """Whether any process of the run was signalled (all processes agree, then stop
-    at the same step)."""
-    if jax.process_count() == 1:
-      return self.received is not None
-    from jax.experimental import multihost_utils
-    flags = multihost_utils.process_allgather(np.int32(self.received is not None))
-    return bool(np.any(flags))
-
-  @property
-  def exit_status(self) -> int:
-    return 128 + (self.received or signal.SIGINT)
-
-
-def run_identity(args: argparse.Namespace, cfg: TransformerConfig,
-                 corpus: TokenCorpus) -> dict[str, Any]:
-  """What makes a run this run: a checkpoint of another is never resumed silently."""
-  return dict(config=cfg.identity(), seed=args.seed, batch_size=args.batch_size,
-              seq_len=args.seq_len, data=corpus.source, tokenizer=corpus.tokenizer.name,
-              init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
-              optimizer=dict(lr=args.lr, warmup_steps=args.warmup_steps,
-                             weight_decay=args.weight_decay, grad_clip=args.grad_clip),
-              loss=dict(label_smoothing=args.label_smoothing, z_loss=args.z_loss))
-
-
-def _differences(saved: dict[str, Any], ours: dict[str, Any], prefix: str = "") -> list[str]:
-  out = []
-  for key in sorted(set(saved) | set(ours)):
-    a, b = saved.get(key), ours.get(key)
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += _differences(a, b, f"{prefix}{key}.")
-    elif a != b:
-      out.append(f"{prefix}{key} {a!r} there, {b!r} here")
-  return out
-
-
-def claim_checkpoint_dir(args: argparse.Namespace, checkpointer: Checkpointer,
-                         console: Console) -> None:
-  """A fresh run never mixes with, or silently deletes, another run's checkpoints; no run
-  starts where a later save or --overwrite would have to delete what flax_tp did not write."""
-  foreign = checkpointer.not_ours()
-  if foreign:
-    raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r}: "
-                     f"{describe_not_ours(foreign[0])}, where "
-                     "this run saves its checkpoints; flax_tp never deletes what it did not "
-                     "write: move it elsewhere, or choose another --checkpoint-dir")
-  steps = checkpointer.steps()
-  if args.resume or not steps:
-    return
-  listed = ", ".join(map(str, steps))
-  if not args.overwrite:
-    raise UsageError(
-        f"--checkpoint-dir {args.checkpoint_dir!r} holds checkpoints of an earlier run (steps "
-        f"{listed}); pass --resume to continue that run, choose another --checkpoint-dir, or "
-        "pass --overwrite to delete them")
-  if is_main_process():
-    checkpointer.delete_all()
-  console.print(f"--overwrite: deleted the earlier run's checkpoints (steps {listed}) in "
-                f"{args.checkpoint_dir!r}")
-
-
-def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
-                 identity: dict[str, Any], corpus: TokenCorpus) -> tuple[int, list[str]]:
-  """The step to resume from, after checking that the checkpoint is this run's."""
-  if checkpointer.latest_step() is None:
-    raise UsageError(f"--resume: no checkpoint in {args.checkpoint_dir!r}")
-  meta = checkpointer.read_meta()
-  notes = []
-  saved = meta.get("run")
-  if saved is None:  # written by flax_tp 0.1.0, which recorded less of the run
-    saved = {k: meta[k] for k in ("config", "seed", "batch_size", "seq_len") if k in meta}
-    identity = {k: identity[k] for k in saved}
-    notes.append("note: a checkpoint of flax_tp 0.1.0; only the model, seed, batch size and "
-                 "sequence length could be checked against this run")
-  if isinstance(saved.get("config"), dict):  # fields added since: their defaults
-    defaults = TransformerConfig().identity()
-    saved = {**saved, "config": {k: saved["config"].get(k, defaults[k]) for k in defaults}}
-  differences = _differences(saved, identity)
-  if differences:
-    raise UsageError(
-        f"--resume: the checkpoints in {args.checkpoint_dir!r} belong to another run ("
-        f"{'; '.join(differences[:4])}{'; ...' if len(differences) > 4 else ''}); pass the "
-        "flags it was started with, or use another --checkpoint-dir")
-  if int(meta["step"]) >= args.steps:  # decided before reading any array
-    raise UsageError(f"--resume: the checkpoint in {args.checkpoint_dir!r} is at step "
-                     f"{meta['step']}, already at --steps {args.steps}; raise --steps to "
-                     "train further")
-  if "run" in meta and meta.get("data_fingerprint") != corpus.fingerprint:
-    notes.append("note: the data files changed since the checkpoint was written; batches "
-                 "after it will differ from the interrupted run's")
-  return int(meta["step"]), notes
-
-
-def _from_process_0(text: str) -> str:
-  """``text`` as process 0 has it, on every process (one line, at most 1 KiB)."""
-  if jax.process_count() == 1:
-    return text
-  from jax.experimental import multihost_utils
-  data = np.zeros(1024, np.uint8)
-  raw = text.encode("utf-8")[:1024]
-  data[:len(raw)] = np.frombuffer(raw, np.uint8)
-  data = np.asarray(multihost_utils.broadcast_one_to_all(data))
-  return bytes(data).rstrip(b"\0").decode("utf-8", "replace")
-
-
-def lock_checkpoint_dir(args: argparse.Namespace) -> FolderLock | None:
-  """This run's hold on ``--checkpoint-dir`` for as long as it runs (``FolderLock``:
-  released when the process ends, however it ends). Process 0 takes it and every
-  process learns what it found, so a second run (another job, another host sharing
-  the folder) stops whole with one line naming the holder, before touching anything."""
-  if not args.checkpoint_dir:
-    return None
-  lock = FolderLock(args.checkpoint_dir)
-  problem = ""
-  if is_main_process():
-    try:
-      lock.acquire()
-    except FolderInUse as err:
-      problem = (f"is in use by another run: {err.holder}; wait for it to end, or choose "
-                 "another --checkpoint-dir")
-    except OSError as err:
-      problem = f"cannot be locked ({LOCK_NAME}): {err.strerror or err}"
-  problem = _from_process_0(problem)
-  if problem:
-    raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} {problem}")
-  return lock
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,11 +37,7 @@ from models.config import TransformerConfig
 from train import distributed as train_distributed
 from train.cli import INT_MAX, SEED_LIMIT, UsageParser, exit_ladder, one_line
 from train.devices import provide_mesh_devices
-
-DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=128, lr=3e-3,
-                warmup_steps=40, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
-                dtype="float32", seed=0, eval_every=100, checkpoint_every=0, keep_checkpoints=3,
-                sample_prompt="def ", sample_length=200, init_timeout=60, heartbeat_timeout=20)
+from train.job import DEFAULTS
 
 
 def build_parser() -> argparse.ArgumentParser:

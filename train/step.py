@@ -28,6 +28,7 @@ from flax_tp.data_parallel import gather_for_step
 from flax_tp.mesh import split_over
 from flax_tp.stack import stacked_layers
 from models.transformer import Transformer
+from train.job import DEFAULTS
 
 
 def _is_matrix(param: Any) -> Any:
@@ -46,9 +47,15 @@ def _decay_mask(params: Any) -> Any:
   return jax.tree.map(_is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_optimizer(*, lr: float, steps: int, warmup_steps: int = 0, weight_decay: float = 0.1,
-                   grad_clip: float = 1.0) -> optax.GradientTransformation:
-  """AdamW with linear warm-up and cosine decay to 10%; no decay on biases or norms."""
+def make_optimizer(*, lr: float, steps: int, warmup_steps: int = 0,
+                   weight_decay: float = DEFAULTS["weight_decay"],
+                   grad_clip: float = DEFAULTS["grad_clip"]) -> optax.GradientTransformation:
+  """AdamW with linear warm-up and cosine decay to 10%; no decay on biases or norms.
+
+  ``weight_decay`` and ``grad_clip`` default to the training job's (``train.job``);
+  ``warmup_steps`` to none, so that a library call warms up only when asked (the CLI's
+  ``--warmup-steps`` default is the job's).
+  """
   warmup_steps = min(warmup_steps, max(steps - 1, 0))
   schedule = optax.warmup_cosine_decay_schedule(
       0.0 if warmup_steps else lr, lr, warmup_steps, max(steps, warmup_steps + 1), lr * 0.1)
