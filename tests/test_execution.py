@@ -1,0 +1,48 @@
+"""models/execution.py: how a step runs, apart from what the model is."""
+
+import dataclasses
+
+import jax
+import pytest
+from flax import nnx
+
+import flax_tp
+from flax_tp.param_info import ParamInfo
+from models.config import TransformerConfig
+from models.execution import Execution, view
+from models.transformer import Transformer
+
+
+def test_the_architecture_holds_no_execution_field():
+  names = {f.name for f in dataclasses.fields(Execution)}
+  assert names == {"sequence_parallel", "remat", "scan_layers", "fsdp"}
+  assert not names & {f.name for f in dataclasses.fields(TransformerConfig)}
+  with pytest.raises(ValueError, match="remat must be one of .* got 'sometimes'"):
+    Execution(remat="sometimes")
+  assert Execution(sequence_parallel=True, remat="block", fsdp=True).describe() == [
+      "sequence parallel", "remat block", "FSDP over data"]
+
+
+def test_apply_in_its_order_and_a_view_shares_the_params():
+  """Sequence parallelism set on the region-closing layers, blocks stacked, then split over
+  "data" with the blocks' params recorded as gathered per block; a view changes only what
+  changes no param, sharing the arrays."""
+  mesh = flax_tp.make_mesh("2x4")
+  cfg = TransformerConfig.preset("llama-tiny")
+  model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0),
+                      execution=Execution(sequence_parallel=True, scan_layers=True, fsdp=True))
+  assert model.embed.sequence_parallel and model.blocks.attn.o.sequence_parallel
+  assert model.blocks.mlp.down.sequence_parallel and not model.blocks.attn.q.sequence_parallel
+  infos = {".".join(map(str, p)): ParamInfo.of(v)
+           for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  assert all(i.is_stacked for p, i in infos.items() if p.startswith("blocks."))
+  assert all(i.fsdp_per_block == p.startswith("blocks.") for p, i in infos.items()
+             if i.over_data)
+  plain = view(model, dataclasses.replace(model.execution, sequence_parallel=False))
+  assert not plain.embed.sequence_parallel and not plain.blocks.attn.o.sequence_parallel
+  assert model.embed.sequence_parallel  # the model itself is unchanged
+  for a, b in zip(jax.tree.leaves(nnx.state(plain)), jax.tree.leaves(nnx.state(model)),
+                  strict=True):
+    assert a is b  # the same arrays, not copies
+  with pytest.raises(ValueError, match="a view may change sequence_parallel and remat only"):
+    view(model, Execution())
