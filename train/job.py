@@ -1,7 +1,125 @@
-"""The training job's defaults, held once: ``train/run.py``'s flags and
-``train.step.make_optimizer`` read them here (no jax import: read before JAX starts)."""
+"""The training job: one record built from ``train/run.py``'s flags, by section, and the
+only holder of their defaults (argparse reads ``DEFAULTS``, ``make_optimizer`` reads
+``OptimizerJob``'s). Importing it touches no device (``train/run.py`` reads it before it
+sets XLA's device count)."""
 
-DEFAULTS = dict(mesh="2x4", preset="small", steps=400, batch_size=32, seq_len=128, lr=3e-3,
-                warmup_steps=40, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
-                dtype="float32", seed=0, eval_every=100, checkpoint_every=0, keep_checkpoints=3,
-                sample_prompt="def ", sample_length=200, init_timeout=60, heartbeat_timeout=20)
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from models.execution import Execution
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelJob:
+  preset: str | None = None  # None: "small", unless init_from gives the model
+  init_from: str | None = None  # an HF folder: its config, weights and tokenizer
+  seq_len: int = 128
+  dropout: float = 0.0
+  dtype: str = "float32"
+
+  @property
+  def preset_name(self) -> str:
+    return self.preset or "small"
+
+  def overrides(self) -> dict:
+    """The config fields the job sets, whatever the preset or HF config says."""
+    return dict(max_seq_len=self.seq_len, dropout=self.dropout, dtype=self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerJob:
+  lr: float = 3e-3
+  warmup_steps: int = 40
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LossJob:
+  label_smoothing: float = 0.0
+  z_loss: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleJob:
+  steps: int = 400
+  batch_size: int = 32
+  seed: int = 0
+  eval_every: int = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointJob:
+  dir: str | None = None
+  every: int = 0
+  keep: int = 3
+  resume: bool = False
+  overwrite: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleJob:
+  prompt: str = "def "
+  length: int = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedJob:
+  init_timeout: int = 60
+  heartbeat_timeout: int = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  mesh: str = "2x4"
+  model: ModelJob = ModelJob()
+  execution: Execution = Execution()
+  optimizer: OptimizerJob = OptimizerJob()
+  loss: LossJob = LossJob()
+  schedule: ScheduleJob = ScheduleJob()
+  checkpoint: CheckpointJob = CheckpointJob()
+  data: str | None = None
+  metrics_file: str | None = None
+  sample: SampleJob = SampleJob()
+  distributed: DistributedJob = DistributedJob()
+
+  @classmethod
+  def from_args(cls, args: argparse.Namespace) -> Job:
+    """The job of ``train/run.py``'s parsed (and checked) flags."""
+    section = lambda kind, **names: kind(**{field: getattr(args, flag)
+                                            for field, flag in names.items()})
+    return cls(
+        mesh=args.mesh,
+        model=section(ModelJob, preset="preset", init_from="init_from", seq_len="seq_len",
+                      dropout="dropout", dtype="dtype"),
+        execution=section(Execution, sequence_parallel="sequence_parallel", remat="remat",
+                          scan_layers="scan_layers", fsdp="fsdp"),
+        optimizer=section(OptimizerJob, lr="lr", warmup_steps="warmup_steps",
+                          weight_decay="weight_decay", grad_clip="grad_clip"),
+        loss=section(LossJob, label_smoothing="label_smoothing", z_loss="z_loss"),
+        schedule=section(ScheduleJob, steps="steps", batch_size="batch_size", seed="seed",
+                         eval_every="eval_every"),
+        checkpoint=section(CheckpointJob, dir="checkpoint_dir", every="checkpoint_every",
+                           keep="keep_checkpoints", resume="resume", overwrite="overwrite"),
+        data=args.data, metrics_file=args.metrics_file,
+        sample=section(SampleJob, prompt="sample_prompt", length="sample_length"),
+        distributed=section(DistributedJob, init_timeout="init_timeout",
+                            heartbeat_timeout="heartbeat_timeout"))
+
+
+def _defaults() -> dict:
+  """``train/run.py``'s flag defaults (by flag name), read from the record's fields."""
+  flags = {"checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
+           "keep_checkpoints": ("checkpoint", "keep"), "sample_prompt": ("sample", "prompt"),
+           "sample_length": ("sample", "length")}
+  job, out = Job(), {"mesh": Job.mesh}
+  for section in ("model", "optimizer", "schedule", "distributed"):
+    out.update(dataclasses.asdict(getattr(job, section)))
+  out.update({flag: getattr(getattr(job, s), f) for flag, (s, f) in flags.items()})
+  out["preset"] = job.model.preset_name
+  return {k: v for k, v in out.items() if k not in ("init_from", "checkpoint_dir")}
+
+
+DEFAULTS = _defaults()

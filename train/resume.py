@@ -3,7 +3,7 @@ or silently deletes another run's checkpoints, and resumes only its own."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -16,18 +16,18 @@ from flax_tp.run_lock import LOCK_NAME, FolderInUse, FolderLock
 from models.config import TransformerConfig
 from train.data import TokenCorpus
 from train.errors import UsageError
+from train.job import Job
 from train.metrics import is_main_process
 
 
-def run_identity(args: argparse.Namespace, cfg: TransformerConfig,
+def run_identity(job: Job, cfg: TransformerConfig,
                  corpus: TokenCorpus) -> dict[str, Any]:
   """What makes a run this run: a checkpoint of another is never resumed silently."""
-  return dict(config=cfg.identity(), seed=args.seed, batch_size=args.batch_size,
-              seq_len=args.seq_len, data=corpus.source, tokenizer=corpus.tokenizer.name,
-              init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
-              optimizer=dict(lr=args.lr, warmup_steps=args.warmup_steps,
-                             weight_decay=args.weight_decay, grad_clip=args.grad_clip),
-              loss=dict(label_smoothing=args.label_smoothing, z_loss=args.z_loss))
+  return dict(config=cfg.identity(), seed=job.schedule.seed, batch_size=job.schedule.batch_size,
+              seq_len=job.model.seq_len, data=corpus.source, tokenizer=corpus.tokenizer.name,
+              init_from=str(Path(job.model.init_from).resolve()) if job.model.init_from else None,
+              # lr, warmup_steps, weight_decay, grad_clip; label_smoothing, z_loss
+              optimizer=dataclasses.asdict(job.optimizer), loss=dataclasses.asdict(job.loss))
 
 
 def _differences(saved: dict[str, Any], ours: dict[str, Any], prefix: str = "") -> list[str]:
@@ -41,36 +41,36 @@ def _differences(saved: dict[str, Any], ours: dict[str, Any], prefix: str = "") 
   return out
 
 
-def claim_checkpoint_dir(args: argparse.Namespace, checkpointer: Checkpointer,
+def claim_checkpoint_dir(job: Job, checkpointer: Checkpointer,
                          console: Console) -> None:
   """A fresh run never mixes with, or silently deletes, another run's checkpoints; no run
   starts where a later save or --overwrite would have to delete what flax_tp did not write."""
   foreign = checkpointer.not_ours()
   if foreign:
-    raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r}: "
+    raise UsageError(f"--checkpoint-dir {job.checkpoint.dir!r}: "
                      f"{describe_not_ours(foreign[0])}, where "
                      "this run saves its checkpoints; flax_tp never deletes what it did not "
                      "write: move it elsewhere, or choose another --checkpoint-dir")
   steps = checkpointer.steps()
-  if args.resume or not steps:
+  if job.checkpoint.resume or not steps:
     return
   listed = ", ".join(map(str, steps))
-  if not args.overwrite:
+  if not job.checkpoint.overwrite:
     raise UsageError(
-        f"--checkpoint-dir {args.checkpoint_dir!r} holds checkpoints of an earlier run (steps "
+        f"--checkpoint-dir {job.checkpoint.dir!r} holds checkpoints of an earlier run (steps "
         f"{listed}); pass --resume to continue that run, choose another --checkpoint-dir, or "
         "pass --overwrite to delete them")
   if is_main_process():
     checkpointer.delete_all()
   console.print(f"--overwrite: deleted the earlier run's checkpoints (steps {listed}) in "
-                f"{args.checkpoint_dir!r}")
+                f"{job.checkpoint.dir!r}")
 
 
-def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
+def resume_point(job: Job, checkpointer: Checkpointer,
                  identity: dict[str, Any], corpus: TokenCorpus) -> tuple[int, list[str]]:
   """The step to resume from, after checking that the checkpoint is this run's."""
   if checkpointer.latest_step() is None:
-    raise UsageError(f"--resume: no checkpoint in {args.checkpoint_dir!r}")
+    raise UsageError(f"--resume: no checkpoint in {job.checkpoint.dir!r}")
   meta = checkpointer.read_meta()
   notes = []
   saved = meta.get("run")
@@ -85,12 +85,12 @@ def resume_point(args: argparse.Namespace, checkpointer: Checkpointer,
   differences = _differences(saved, identity)
   if differences:
     raise UsageError(
-        f"--resume: the checkpoints in {args.checkpoint_dir!r} belong to another run ("
+        f"--resume: the checkpoints in {job.checkpoint.dir!r} belong to another run ("
         f"{'; '.join(differences[:4])}{'; ...' if len(differences) > 4 else ''}); pass the "
         "flags it was started with, or use another --checkpoint-dir")
-  if int(meta["step"]) >= args.steps:  # decided before reading any array
-    raise UsageError(f"--resume: the checkpoint in {args.checkpoint_dir!r} is at step "
-                     f"{meta['step']}, already at --steps {args.steps}; raise --steps to "
+  if int(meta["step"]) >= job.schedule.steps:  # decided before reading any array
+    raise UsageError(f"--resume: the checkpoint in {job.checkpoint.dir!r} is at step "
+                     f"{meta['step']}, already at --steps {job.schedule.steps}; raise --steps to "
                      "train further")
   if "run" in meta and meta.get("data_fingerprint") != corpus.fingerprint:
     notes.append("note: the data files changed since the checkpoint was written; batches "
@@ -110,14 +110,14 @@ def _from_process_0(text: str) -> str:
   return bytes(data).rstrip(b"\0").decode("utf-8", "replace")
 
 
-def lock_checkpoint_dir(args: argparse.Namespace) -> FolderLock | None:
+def lock_checkpoint_dir(job: Job) -> FolderLock | None:
   """This run's hold on ``--checkpoint-dir`` for as long as it runs (``FolderLock``:
   released when the process ends, however it ends). Process 0 takes it and every
   process learns what it found, so a second run (another job, another host sharing
   the folder) stops whole with one line naming the holder, before touching anything."""
-  if not args.checkpoint_dir:
+  if not job.checkpoint.dir:
     return None
-  lock = FolderLock(args.checkpoint_dir)
+  lock = FolderLock(job.checkpoint.dir)
   problem = ""
   if is_main_process():
     try:
@@ -129,5 +129,5 @@ def lock_checkpoint_dir(args: argparse.Namespace) -> FolderLock | None:
       problem = f"cannot be locked ({LOCK_NAME}): {err.strerror or err}"
   problem = _from_process_0(problem)
   if problem:
-    raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} {problem}")
+    raise UsageError(f"--checkpoint-dir {job.checkpoint.dir!r} {problem}")
   return lock

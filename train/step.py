@@ -28,7 +28,7 @@ from flax_tp.data_parallel import gather_for_step
 from flax_tp.mesh import split_over
 from flax_tp.stack import stacked_layers
 from models.transformer import Transformer
-from train.job import DEFAULTS
+from train.job import OptimizerJob
 
 
 def _is_matrix(param: Any) -> Any:
@@ -48,11 +48,11 @@ def _decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(*, lr: float, steps: int, warmup_steps: int = 0,
-                   weight_decay: float = DEFAULTS["weight_decay"],
-                   grad_clip: float = DEFAULTS["grad_clip"]) -> optax.GradientTransformation:
+                   weight_decay: float = OptimizerJob.weight_decay,
+                   grad_clip: float = OptimizerJob.grad_clip) -> optax.GradientTransformation:
   """AdamW with linear warm-up and cosine decay to 10%; no decay on biases or norms.
 
-  ``weight_decay`` and ``grad_clip`` default to the training job's (``train.job``);
+  ``weight_decay`` and ``grad_clip`` default to the training job's (``train.job.OptimizerJob``);
   ``warmup_steps`` to none, so that a library call warms up only when asked (the CLI's
   ``--warmup-steps`` default is the job's).
   """

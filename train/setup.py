@@ -1,0 +1,153 @@
+"""A training run's set-up: everything it starts from, built and checked before the first
+step, and the start-up lines that say what it is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from rich.console import Console
+
+import flax_tp
+from flax_tp.checkpoint import Checkpointer, CheckpointError
+from flax_tp.param_info import ParamInfo
+from models.config import TransformerConfig
+from models.hf import load_hf
+from models.transformer import Transformer
+from train.data import TokenCorpus
+from train.errors import UsageError
+from train.hf_folder import hf_model_and_tokenizer
+from train.job import Job
+from train.metrics import is_main_process
+from train.resume import claim_checkpoint_dir, resume_point, run_identity
+from train.step import LossOptions, Trainer, make_optimizer
+
+
+def param_summary(params: nnx.State) -> dict[str, int]:
+  """Logical parameter count and per-device bytes, split into sharded and replicated."""
+  total = sharded = replicated = 0
+  for _, var in nnx.to_flat_state(params):
+    value = var[...]
+    info = ParamInfo.of(var)
+    layout = info.layout
+    shard_bytes = value.addressable_shards[0].data.nbytes
+    total += value.size if layout is None else value.size // layout.padded_total * layout.size
+    if info.is_split:  # split over "model" and/or "data" (FSDP)
+      sharded += shard_bytes
+    else:
+      replicated += shard_bytes
+  return dict(params=total, sharded_bytes_per_device=sharded,
+              replicated_bytes_per_device=replicated)
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2**20:.2f} MiB"
+
+
+class SetUp:
+  """What a run starts from: the mesh, the model's config and execution record, the
+  checkpoint folder (claimed), the data, the run's identity and resume point, the trainer
+  and its params and optimizer state (restored on resume)."""
+
+  def __init__(self, job: Job):
+    self.job = job
+    self.console = Console(quiet=not is_main_process(), highlight=False, soft_wrap=True)
+    self.errors = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+      self.mesh = mesh = flax_tp.make_mesh(job.mesh)
+    except ValueError as err:
+      raise UsageError(str(err)) from None
+    self.data_size = data_size = mesh.shape[flax_tp.DATA_AXIS]
+    if job.schedule.batch_size % data_size:
+      raise UsageError(f"--batch-size {job.schedule.batch_size} is not divisible by the "
+                       f"{data_size}-way data axis of --mesh {job.mesh}")
+    overrides = job.model.overrides()
+    self.execution = job.execution
+    tokenizer = None
+    if job.model.init_from:
+      self.cfg, tokenizer = hf_model_and_tokenizer(job.model.init_from, overrides)
+    else:
+      self.cfg = TransformerConfig.preset(job.model.preset_name, **overrides)
+    self.checkpointer = None
+    if job.checkpoint.dir:
+      self.checkpointer = Checkpointer(job.checkpoint.dir,
+                                       max_to_keep=job.checkpoint.keep or None,
+                                       asynchronous=True)
+      claim_checkpoint_dir(job, self.checkpointer, self.console)
+    try:
+      self.corpus = TokenCorpus.load(job.data, seq_len=job.model.seq_len, tokenizer=tokenizer,
+                                     show_progress=is_main_process())
+    except ValueError as err:
+      raise UsageError(str(err)) from None
+    self.identity = run_identity(job, self.cfg, self.corpus)
+    self.start, self.notes = 0, []
+    if job.checkpoint.resume:
+      try:
+        self.start, self.notes = resume_point(job, self.checkpointer, self.identity,
+                                              self.corpus)
+      except CheckpointError as err:
+        raise UsageError(str(err)) from None
+    self._build_state(overrides)
+
+  def _build_state(self, overrides: dict[str, Any]) -> None:
+    """The model's trainer, and its params and optimizer state (restored on resume)."""
+    job = self.job
+    if job.model.init_from and self.start == 0:
+      try:
+        model = load_hf(job.model.init_from, self.mesh, seed=job.schedule.seed,
+                        execution=self.execution, **overrides)
+      except (ValueError, OSError) as err:  # missing or misshapen tensors: bad input
+        raise UsageError(f"--init-from {job.model.init_from!r}: {err}") from None
+    else:  # a fresh model, or one a checkpoint then overwrites
+      model = Transformer(self.cfg, mesh=self.mesh, rngs=nnx.Rngs(job.schedule.seed),
+                          execution=self.execution)
+    opt = job.optimizer
+    tx = make_optimizer(lr=opt.lr, steps=job.schedule.steps, warmup_steps=opt.warmup_steps,
+                        weight_decay=opt.weight_decay, grad_clip=opt.grad_clip)
+    self.trainer = Trainer(model, tx, LossOptions(job.loss.label_smoothing, job.loss.z_loss))
+    del model
+    self.params = self.trainer.params
+    self.opt_state = self.trainer.init_opt_state(self.params)
+    if self.start:
+      try:
+        restored, _ = self.checkpointer.restore(
+            {"params": self.params, "opt_state": self.opt_state}, self.start)
+      except CheckpointError as err:
+        raise UsageError(str(err)) from None
+      self.params, self.opt_state = restored["params"], restored["opt_state"]
+
+  def report_start(self) -> None:
+    """The start-up lines: devices and processes, the model, the data, notes."""
+    job, console, mesh, data_size = self.job, self.console, self.mesh, self.data_size
+    summary = param_summary(self.params)
+    devices = jax.devices()
+    console.print(f"[bold]flax_tp[/bold] jax {jax.__version__} | {len(devices)} "
+                  f"{devices[0].platform} device(s), {jax.process_count()} process(es) | mesh "
+                  f"{job.mesh} (data={data_size}, model={mesh.shape[flax_tp.MODEL_AXIS]})")
+    if jax.process_count() > 1:
+      local_rows = all(len({d.process_index for d in row}) == 1 for row in mesh.devices)
+      console.print(f"processes: {jax.process_count()} x {jax.local_device_count()} devices; "
+                    f"the model axis {'stays inside' if local_rows else 'spans'} a process")
+    origin = (f"from {job.model.init_from!r}" if job.model.init_from
+              else f"preset {job.model.preset_name}")
+    options = self.execution.describe()
+    console.print(f"model: {origin}, {summary['params']:,} params | per device: "
+                  f"sharded {_mib(summary['sharded_bytes_per_device'])}, replicated "
+                  f"{_mib(summary['replicated_bytes_per_device'])}"
+                  + (f" | {', '.join(options)}" if options else ""))
+    console.print(f"data: {self.corpus.describe()} | unigram entropy "
+                  f"{self.corpus.unigram_entropy():.3f} nats | batch {job.schedule.batch_size} x "
+                  f"{job.model.seq_len} tokens")
+    notes = self.notes
+    if self.execution.fsdp and data_size > 1:  # never silently less sharded than asked
+      whole = [".".join(map(str, path)) for path, var in nnx.to_flat_state(self.params)
+               if not ParamInfo.of(var).over_data]
+      if whole:
+        notes.append(f"note: --fsdp leaves {len(whole)} param(s) replicated over the "
+                     f"{data_size}-way data axis, which divides none of their dimensions: "
+                     f"{', '.join(whole[:4])}{' ...' if len(whole) > 4 else ''}")
+    for note in notes:
+      console.print(note, markup=False)
+    if self.start:
+      console.print(f"resumed from step {self.start} in {job.checkpoint.dir!r}")
