@@ -94,6 +94,7 @@ class TransformerConfig:
 
   @classmethod
   def preset(cls, name: str, **overrides) -> TransformerConfig:
+    check_architecture_fields(overrides)
     if name not in PRESETS:
       raise ValueError(f"unknown preset {name!r}; expected one of {tuple(PRESETS)}")
     return cls(**{**PRESETS[name], **overrides})
@@ -101,6 +102,16 @@ class TransformerConfig:
   @classmethod
   def preset_names(cls) -> tuple[str, ...]:
     return tuple(PRESETS)
+
+
+def check_architecture_fields(overrides: dict) -> None:
+  """Refuses, naming it, an execution option given where architecture fields go (they
+  were ``TransformerConfig`` fields before the execution record)."""
+  from models.execution import Execution  # (it imports flax_tp; this module need not)
+  wrong = sorted(set(overrides) & {f.name for f in dataclasses.fields(Execution)})
+  if wrong:
+    raise ValueError(f"{wrong[0]} is how a step runs, not what the model is: pass "
+                     f"execution=Execution({wrong[0]}=...) to Transformer or load_hf")
 
 
 _LLAMA = dict(norm="rmsnorm", mlp="swiglu", qkv_bias=False, attn_out_bias=False,

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 import flax_tp
 from flax_tp.logical import stored_like
 from flax_tp.stack import per_layer_paths, set_layer, stacked_layers
-from models.config import TransformerConfig
+from models.config import TransformerConfig, check_architecture_fields
 from models.execution import Execution
 from models.transformer import Transformer
 
@@ -234,6 +234,7 @@ class _Tensors:
 def read_config(path: str | Path, **overrides) -> TransformerConfig:
   """The ``TransformerConfig`` of the HF directory ``path`` (its config.json), with
   ``overrides`` (e.g. ``dropout``, ``dtype``, ``max_seq_len``) replaced."""
+  check_architecture_fields(overrides)
   config_path = Path(path) / "config.json"
   if not config_path.is_file():
     raise FileNotFoundError(f"{str(path)!r} has no config.json")

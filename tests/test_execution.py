@@ -1,6 +1,7 @@
 """models/execution.py: how a step runs, apart from what the model is."""
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import pytest
@@ -46,3 +47,13 @@ def test_apply_in_its_order_and_a_view_shares_the_params():
     assert a is b  # the same arrays, not copies
   with pytest.raises(ValueError, match="a view may change sequence_parallel and remat only"):
     view(model, Execution())
+
+
+def test_an_execution_option_given_as_an_architecture_field_is_named():
+  from models.hf import load_hf
+  with pytest.raises(ValueError, match=r"fsdp is how a step runs, not what the model is: pass "
+                     r"execution=Execution\(fsdp=...\)"):
+    TransformerConfig.preset("tiny", fsdp=True)
+  with pytest.raises(ValueError, match=r"scan_layers is how a step runs"):
+    load_hf(Path(__file__).parent / "fixtures" / "hf" / "llama", flax_tp.make_mesh("1x1"),
+            scan_layers=True)
