@@ -108,3 +108,31 @@ def split_execution(options: dict) -> tuple[dict, object]:
   names = {f.name for f in dataclasses.fields(Execution)}
   return ({k: v for k, v in options.items() if k not in names},
           Execution(**{k: v for k, v in options.items() if k in names}))
+
+
+# A run of two steps of the tiny preset on 1x2 (the run-safety tests).
+SHORT_RUN_FLAGS = [*TINY_RUN_FLAGS, "--mesh", "1x2", "--steps", "2"]
+
+
+def subprocess_env(**extra) -> dict[str, str]:
+  """The environment of a child Python that must choose its own devices and threads."""
+  import os
+  from pathlib import Path
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+  root = str(Path(__file__).resolve().parent.parent)
+  return {**env, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu", **extra}
+
+
+def wait_for(condition, timeout=60.0, what="the condition") -> None:
+  import time
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if condition():
+      return
+    time.sleep(0.05)
+  raise AssertionError(f"timed out waiting for {what}")
+
+
+def tiny_state() -> dict:
+  """A one-array state tree for checkpoint tests."""
+  return {"params": {"w": jnp.arange(6.0).reshape(2, 3)}}

@@ -1,6 +1,7 @@
 """flax_tp.checkpoint: each logical element written once, broken and foreign folders
 named, a flipped byte refused; and its geometry (flax_tp.checkpoint.boxes) on its own."""
 
+import errno
 import os
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import TINY_RUN_FLAGS, write_small_corpus
+from helpers import SHORT_RUN_FLAGS, TINY_RUN_FLAGS, tiny_state, write_small_corpus
 
 import flax_tp
 from flax_tp import KVHeadLayout, SegmentedLayout, ShardLayout
@@ -176,3 +177,60 @@ def test_boxes_rebuild_the_logical_array_and_write_each_element_once(layout, blo
           rebuilt[target] = block[sl]
   np.testing.assert_array_equal(rebuilt, logical)
   np.testing.assert_array_equal(written, 1)
+
+
+
+
+@pytest.mark.parametrize("step", [-1, 5.0, True, "08", "7", None, np.float32(3)])
+def test_save_refuses_a_step_that_is_not_a_non_negative_integer(tmp_path, step):
+  ck = Checkpointer(tmp_path)
+  with pytest.raises(ValueError, match=r"checkpoint step must be an integer >= 0, got"):
+    ck.save(step, tiny_state(), {})
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_numpy_integer_steps_save_list_restore_and_rotate(tmp_path):
+  ck = Checkpointer(tmp_path, max_to_keep=2)
+  for step in (np.int64(7), np.int32(8), 9):
+    ck.save(step, tiny_state(), {"n": int(step)})
+  assert ck.steps() == [8, 9] and sorted(p.name for p in tmp_path.iterdir()) == ["8", "9"]
+  restored, meta = ck.restore(tiny_state(), step=np.int64(8))
+  np.testing.assert_array_equal(restored["params"]["w"], tiny_state()["params"]["w"])
+  assert ck.read_meta(np.int64(9)) == {"n": 9}
+
+
+def test_a_linked_step_folder_is_never_followed_nor_fails_a_save(tmp_path, corpus, capsys):
+  """flax_tp writes no links: a run refuses to start where a step is one (a save or
+  --overwrite would delete through it); one made while a run rotates is left alone
+  (not a step), and a step that cannot be rotated out is a warning, not a failed save."""
+  elsewhere = tmp_path / "elsewhere"
+  ck = Checkpointer(tmp_path / "ck", max_to_keep=1)
+  ck.save(4, tiny_state(), {})
+  (tmp_path / "ck" / "4").rename(elsewhere)
+  (tmp_path / "ck" / "4").symlink_to(elsewhere, target_is_directory=True)
+  assert ck.steps() == []  # a link is not a step: nothing rotates it or restores from it
+  ck.save(16, tiny_state(), {})
+  ck.save(17, tiny_state(), {})
+  assert ck.steps() == [17] and (tmp_path / "ck" / "4").is_symlink()
+  assert sorted(p.name for p in elsewhere.iterdir()) == ["index.0.json", "meta.json",
+                                                         "shards.0.bin"]
+  with pytest.raises(CheckpointSaveError, match="is a symbolic link, which flax_tp did not"):
+    ck.save(4, tiny_state(), {})
+  assert main([*SHORT_RUN_FLAGS, "--checkpoint-dir", str(tmp_path / "ck"), "--overwrite"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "/ck/4' is a symbolic link" in err, err
+  assert elsewhere.is_dir()
+
+  (tmp_path / "ck" / "4").unlink()
+  import flax_tp.checkpoint.checkpointer as checkpoint
+
+  def busy(folder):
+    raise OSError(errno.EBUSY, "Device or resource busy", str(folder))
+  original, checkpoint.rotate_out = checkpoint.rotate_out, busy
+  try:
+    with pytest.warns(UserWarning, match="checkpoint step 18 saved in .*, but older step 17 "
+                                         "could not be deleted: Device or resource busy"):
+      ck.save(18, tiny_state(), {})
+  finally:
+    checkpoint.rotate_out = original
+  assert ck.steps() == [17, 18]
