@@ -12,7 +12,6 @@ from flax import nnx
 
 from flax_tp.param_info import ParamInfo
 from flax_tp.params import place
-from flax_tp.partition import ShardLayout
 from flax_tp.stack import layer_path, per_layer_paths, set_layer, stacked_layers
 
 
@@ -24,15 +23,10 @@ def gather_to_host(value: jax.Array) -> np.ndarray:
   return np.asarray(value)
 
 
-def _layout_of(leaf: Any) -> tuple[ShardLayout | None, int | None]:
-  """The ``ShardLayout`` and split dim of a sharded param; (None, None) otherwise."""
-  info = ParamInfo.of(leaf)
-  return info.layout, info.dim
-
-
 def logical_value(leaf: nnx.Variable | jax.Array) -> np.ndarray:
   """The whole, unpadded value of a param (or plain array) on this host."""
-  layout, dim = _layout_of(leaf)
+  info = ParamInfo.of(leaf)
+  layout, dim = info.layout, info.dim
   value = gather_to_host(leaf[...] if isinstance(leaf, nnx.Variable) else leaf)
   return layout.unpad(value, dim) if layout is not None else value
 
@@ -43,12 +37,11 @@ def stored_like(leaf: nnx.Variable | jax.Array, logical: Any, name: Any = "") ->
   The inverse of ``logical_value``; ``ValueError`` naming ``name`` on a shape
   that does not fit.
   """
-  layout, dim = _layout_of(leaf)
+  info = ParamInfo.of(leaf)
+  layout, dim = info.layout, info.dim
   target = leaf[...] if isinstance(leaf, nnx.Variable) else leaf
   value = np.asarray(logical).astype(target.dtype)
-  expected = list(target.shape)
-  if layout is not None:
-    expected[dim] = layout.size
+  expected = list(info.logical_shape(target.shape))
   if list(value.shape) != expected:
     raise ValueError(
         f"param {name}: got shape {tuple(value.shape)}, expected {tuple(expected)}")

@@ -24,6 +24,7 @@ from typing import Any
 from flax import nnx
 
 import flax_tp
+from flax_tp.data_parallel import shard_over_data
 from flax_tp.remat import REMAT_CHOICES
 
 
@@ -50,28 +51,27 @@ def set_sequence_parallel(model: Any, on: bool) -> None:
   """Step 1 of ``apply`` on ``model`` (a ``Transformer``), in place: its region-closing
   layers scatter over the sequence (``on``) or all-reduce."""
   model.embed.sequence_parallel = on
-  blocks = [model.blocks] if isinstance(model.blocks, nnx.Module) and not isinstance(
-      model.blocks, nnx.List) else list(model.blocks)
+  # the blocks one by one, or (scanned) the one module of their stacked params
+  blocks = list(model.blocks) if isinstance(model.blocks, nnx.List) else [model.blocks]
   for block in blocks:
     block.attn.o.sequence_parallel = on
     block.mlp.down.sequence_parallel = on
 
 
-def apply(model: Any, execution: Execution) -> list[str]:
+def apply(model: Any, execution: Execution) -> None:
   """Applies ``execution`` to a freshly built ``Transformer`` (blocks in an ``nnx.List``,
-  nothing split over ``"data"``), in place, in the module docstring's order. Returns the
-  params FSDP leaves replicated over ``"data"`` (none divides), for the caller to report."""
+  nothing split over ``"data"``), in place, in the module docstring's order. (The params
+  FSDP leaves replicated over ``"data"`` are read back from their records where they are
+  reported, after a checkpoint or HF weights are loaded too.)"""
   set_sequence_parallel(model, execution.sequence_parallel)
   if execution.scan_layers:
     # One module holding every block's params stacked [num_layers, ...]: the scan
     # reads them in place and the optimizer sees one array per kind of param.
     # Initialised per block first, so the values do not depend on it.
     model.blocks = flax_tp.stack_layers(list(model.blocks))
-  kept = []
   if execution.fsdp:  # params (and so the optimizer state) split over "data" too
-    kept = flax_tp.data_parallel.shard_over_data(model, per_block=(model.blocks,))
+    shard_over_data(model, per_block=(model.blocks,))
   model.execution = execution
-  return kept
 
 
 def view(model: Any, execution: Execution) -> Any:

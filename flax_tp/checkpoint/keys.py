@@ -65,8 +65,4 @@ def value_of(leaf: Any) -> Any:
 
 
 def logical_shape(leaf: Any) -> tuple[int, ...]:
-  layout, dim = layout_of(leaf)
-  shape = list(np.shape(value_of(leaf)))
-  if layout is not None:
-    shape[dim] = layout.size
-  return tuple(shape)
+  return ParamInfo.of(leaf).logical_shape(np.shape(value_of(leaf)))
