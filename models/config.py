@@ -9,6 +9,46 @@ from flax import nnx
 
 BYTE_VOCAB = 256
 
+FULL, SLIDING = "full_attention", "sliding_attention"  # a layer's attention (HF's names)
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")
+MLPS = ("gelu", "swiglu", "geglu")
+ROPE_KINDS = ("linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """How rotary frequencies are rescaled for a longer context (HF's ``rope_type``).
+
+  linear: every inverse frequency divided by ``factor``. llama3: long wavelengths
+  (beyond ``original_max_len / low_freq_factor``) divided by ``factor``, short ones
+  (below ``original_max_len / high_freq_factor``) kept, the band between smoothed.
+  yarn: interpolation and extrapolation blended by a ramp between the ``beta_fast`` /
+  ``beta_slow`` correction dimensions, and cos/sin scaled by ``attention_factor``
+  (resolved from ``factor`` and HF's mscale fields when the config reads it).
+  """
+
+  kind: str
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int | None = None
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float = 1.0
+  truncate: bool = True
+
+  def __post_init__(self):
+    if self.kind not in ROPE_KINDS:
+      raise ValueError(f"rope scaling kind must be one of {ROPE_KINDS}, got {self.kind!r}")
+    if not self.factor > 0:
+      raise ValueError(f"rope scaling factor must be > 0, got {self.factor!r}")
+    if self.kind in ("llama3", "yarn") and not (self.original_max_len or 0) >= 1:
+      raise ValueError(f"{self.kind} rope scaling needs original_max_len >= 1, got "
+                       f"{self.original_max_len!r}")
+    if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+      raise ValueError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor > 0, got "
+                       f"{self.high_freq_factor!r} and {self.low_freq_factor!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -42,6 +82,25 @@ class TransformerConfig:
   qkv_bias: bool = True
   attn_out_bias: bool = True
   mlp_bias: bool = True
+  # -- what the families beyond Llama/Qwen2 need (models/families.py). At their
+  # defaults they leave identity() as it was before they existed.
+  rope_scaling: RopeScaling | None = None  # on full-attention layers (all layers without
+  # rope_local_base)
+  rotary_fraction: float = 1.0  # HF's partial_rotary_factor: rotary on the first
+  # int(head_dim * fraction) dims of a head, the rest passes through
+  rope_local_base: float | None = None  # sliding layers' own plain-rotary base (Gemma 3)
+  qk_norm: bool = False  # per-head norm of q and k over head_dim, before rotary (Qwen3,
+  # Gemma 3), of the kind ``norm`` names
+  layer_types: tuple[str, ...] | None = None  # per layer FULL or SLIDING; None: all FULL
+  sliding_window: int | None = None  # a SLIDING layer's query sees its last this many keys
+  embed_scale: bool = False  # embeddings times sqrt(d_model), in the compute dtype (Gemma)
+  attn_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
+  attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+  final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2, 3)
+  sandwich_norm: bool = False  # a norm after attention and after the MLP too, before
+  # each residual add (Gemma 2, 3: four norms per block)
+  family: str | None = None  # the HF family it reads from / writes as (models/families.py);
+  # None: Llama, or Qwen2 where only q/k/v have biases
   # How a step runs (sequence parallelism, remat, scanned layers, FSDP) is not here:
   # see models.execution.Execution.
 
@@ -54,10 +113,30 @@ class TransformerConfig:
       raise ValueError(f"head_dim must be even for rotary positions, got {self.head_dim}")
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-    if self.norm not in ("layernorm", "rmsnorm"):
-      raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
-    if self.mlp not in ("gelu", "swiglu"):
-      raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
+    if self.norm not in NORMS:
+      raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+    if self.mlp not in MLPS:
+      raise ValueError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
+    if not 0 < self.rotary_fraction <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:
+      raise ValueError(f"rotary_fraction must be in (0, 1] and give an even rotary width of "
+                       f"at least 2 of head_dim {self.head_dim}, got {self.rotary_fraction!r}")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+    if self.layer_types is not None:
+      if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers:
+        raise ValueError(f"layer_types must be a tuple of num_layers={self.num_layers} "
+                         f"entries, got {self.layer_types!r}")
+      wrong = sorted(set(self.layer_types) - {FULL, SLIDING})
+      if wrong:
+        raise ValueError(f"layer_types holds {wrong[0]!r}; expected {FULL!r} or {SLIDING!r}")
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window!r}")
+    if SLIDING in (self.layer_types or ()) and self.sliding_window is None:
+      raise ValueError("layer_types has sliding layers but sliding_window is None")
+    for name in ("attn_scale", "attn_softcap", "final_softcap", "rope_local_base"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f"{name} must be > 0 or None, got {value!r}")
     kv = self.kv_heads
     if kv < 1 or self.num_heads % kv:
       raise ValueError(f"num_kv_heads must divide num_heads={self.num_heads}, got "
@@ -66,8 +145,49 @@ class TransformerConfig:
       raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
   def identity(self) -> dict:
-    """The fields that define the model (what a checkpoint must match): all of them."""
-    return dataclasses.asdict(self)
+    """The fields that define the model (what a checkpoint must match), as JSON holds
+    them. A field added for the families (``ADDED_FIELDS``) at its default is left out,
+    so a run written before it existed keeps its identity."""
+    out = {}
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if f.name in ADDED_FIELDS and value == f.default:
+        continue
+      if isinstance(value, RopeScaling):
+        value = dataclasses.asdict(value)
+      elif isinstance(value, tuple):
+        value = list(value)
+      out[f.name] = value
+    return out
+
+  @classmethod
+  def from_identity(cls, fields: dict) -> TransformerConfig:
+    """The config of an ``identity()`` read back from JSON (lists, nested dicts); a
+    field this version does not know raises ``TypeError`` naming it."""
+    fields = dict(fields)
+    if isinstance(fields.get("rope_scaling"), dict):
+      fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    if isinstance(fields.get("layer_types"), list):
+      fields["layer_types"] = tuple(fields["layer_types"])
+    return cls(**fields)
+
+  @property
+  def rotary_dim(self) -> int:
+    """How many dims of a head rotary rotates (HF: ``int(head_dim * partial_rotary_factor)``)."""
+    return int(self.head_dim * self.rotary_fraction)
+
+  def layer_type(self, layer: int) -> str:
+    return FULL if self.layer_types is None else self.layer_types[layer]
+
+  @property
+  def has_sliding_layers(self) -> bool:
+    return SLIDING in (self.layer_types or ())
+
+  @property
+  def plain_attention(self) -> bool:
+    """Whether attention is the causal softmax at ``head_dim ** -0.5`` and nothing else."""
+    return (not self.has_sliding_layers and self.attn_scale is None
+            and self.attn_softcap is None)
 
   @property
   def compute_dtype(self):
@@ -77,10 +197,15 @@ class TransformerConfig:
   def kv_heads(self) -> int:
     return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
-  def norm_layer(self, rngs: nnx.Rngs) -> nnx.Module:
-    """The pre-norm of a block (and the final norm): LayerNorm or RMSNorm over d_model."""
+  def norm_layer(self, rngs: nnx.Rngs, width: int | None = None) -> nnx.Module:
+    """A norm of the kind ``norm`` names over ``width`` (default d_model): a block's
+    norms, the final norm, and (``qk_norm``) q/k's over head_dim."""
+    width = self.d_model if width is None else width
+    if self.norm == "rmsnorm_offset":
+      from models.norms import OffsetRMSNorm
+      return OffsetRMSNorm(width, epsilon=self.norm_eps, dtype=self.compute_dtype)
     cls = nnx.RMSNorm if self.norm == "rmsnorm" else nnx.LayerNorm
-    return cls(self.d_model, epsilon=self.norm_eps, dtype=self.compute_dtype, rngs=rngs)
+    return cls(width, epsilon=self.norm_eps, dtype=self.compute_dtype, rngs=rngs)
 
   @classmethod
   def tiny(cls, **overrides) -> TransformerConfig:
@@ -102,6 +227,12 @@ class TransformerConfig:
   @classmethod
   def preset_names(cls) -> tuple[str, ...]:
     return tuple(PRESETS)
+
+
+ADDED_FIELDS = frozenset((
+    "rope_scaling", "rotary_fraction", "rope_local_base", "qk_norm", "layer_types",
+    "sliding_window", "embed_scale", "attn_scale", "attn_softcap", "final_softcap",
+    "sandwich_norm", "family"))
 
 
 def check_architecture_fields(overrides: dict) -> None:

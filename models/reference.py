@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import ops
+from models import layer_kinds, ops
 from models.config import TransformerConfig
 
 
@@ -23,6 +23,9 @@ class Attention(nnx.Module):
     self.k = nnx.Linear(cfg.d_model, kv_width, use_bias=cfg.qkv_bias, **dense)
     self.v = nnx.Linear(cfg.d_model, kv_width, use_bias=cfg.qkv_bias, **dense)
     self.o = nnx.Linear(width, cfg.d_model, use_bias=cfg.attn_out_bias, **dense)
+    if cfg.qk_norm:
+      self.q_norm = cfg.norm_layer(rngs, cfg.head_dim)
+      self.k_norm = cfg.norm_layer(rngs, cfg.head_dim)
     self.cfg = cfg
 
   def __call__(self, x_bsd, key, layer):
@@ -30,27 +33,30 @@ class Attention(nnx.Module):
     b, s, _ = x_bsd.shape
     split = lambda t: t.reshape(b, s, -1, cfg.head_dim)
     q, k, v = split(self.q(x_bsd)), split(self.k(x_bsd)), split(self.v(x_bsd))
-    q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = (layer_kinds.rotate(cfg, t, None, layer) for t in (q, k))
     # k, v keep their kv heads: query head i reads kv head i // (query heads per kv head)
     out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
                                rate=cfg.dropout, rows=jnp.arange(b),
-                               heads=jnp.arange(cfg.num_heads))
+                               heads=jnp.arange(cfg.num_heads),
+                               window=layer_kinds.window_of(cfg, layer),
+                               scale=cfg.attn_scale, softcap=cfg.attn_softcap)
     return self.o(out.reshape(b, s, -1))
 
 
 class MLP(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     dense = dict(use_bias=cfg.mlp_bias, dtype=cfg.compute_dtype, rngs=rngs)
-    if cfg.mlp == "swiglu":
+    if cfg.mlp in ops.GATED:
       self.gate = nnx.Linear(cfg.d_model, cfg.d_ff, **dense)
     self.up = nnx.Linear(cfg.d_model, cfg.d_ff, **dense)
     self.down = nnx.Linear(cfg.d_ff, cfg.d_model, **dense)
-    self.swiglu = cfg.mlp == "swiglu"
+    self.kind = cfg.mlp
 
   def __call__(self, x_bsd):
-    if self.swiglu:
-      return self.down(jax.nn.silu(self.gate(x_bsd)) * self.up(x_bsd))
-    return self.down(jax.nn.gelu(self.up(x_bsd)))
+    gate = self.gate(x_bsd) if self.kind in ops.GATED else None
+    return self.down(ops.mlp_hidden(self.kind, gate, self.up(x_bsd)))
 
 
 class Block(nnx.Module):
@@ -59,13 +65,20 @@ class Block(nnx.Module):
     self.attn = Attention(cfg, rngs=rngs)
     self.ln2 = cfg.norm_layer(rngs)
     self.mlp = MLP(cfg, rngs=rngs)
+    if cfg.sandwich_norm:
+      self.ln_attn_out = cfg.norm_layer(rngs)
+      self.ln_mlp_out = cfg.norm_layer(rngs)
     self.cfg = cfg
 
   def __call__(self, x_bsd, key, layer):
     rate, rows = self.cfg.dropout, jnp.arange(x_bsd.shape[0])
     attn = self.attn(self.ln1(x_bsd), key, layer)
+    if self.cfg.sandwich_norm:
+      attn = self.ln_attn_out(attn)
     x_bsd = x_bsd + ops.dropout(attn, ops.site_key(key, layer, ops.ATTN_OUT), rate, rows)
     mlp = self.mlp(self.ln2(x_bsd))
+    if self.cfg.sandwich_norm:
+      mlp = self.ln_mlp_out(mlp)
     return x_bsd + ops.dropout(mlp, ops.site_key(key, layer, ops.MLP_OUT), rate, rows)
 
 
@@ -83,13 +96,14 @@ class ReferenceTransformer(nnx.Module):
 
   def __call__(self, tokens_bs, *, dropout_key=None):
     cfg = self.cfg
-    x = self.embed(tokens_bs)
+    x = ops.scale_embeddings(cfg, self.embed(tokens_bs))
     x = ops.dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout,
                     jnp.arange(tokens_bs.shape[0]))
     for layer, block in enumerate(self.blocks):
       x = block(x, dropout_key, layer)
     x = self.ln_f(x)
-    return self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
+    return ops.softcap(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
+                       cfg.final_softcap)
 
 
 def reference_loss(model: ReferenceTransformer, tokens_bs1, *, dropout_key=None,

@@ -28,9 +28,10 @@ from flax_tp.data_parallel import gather_for_step, global_rows
 from flax_tp.params import place_on_mesh
 from flax_tp.remat import run_blocks
 from flax_tp.sequence import SequenceSplit
-from models import execution as execution_lib, ops
+from models import execution as execution_lib, layer_kinds, ops
 from models.config import TransformerConfig
 from models.execution import Execution
+from models.ops import GATED
 
 
 def _dropout(x, key, rate, rows, seq=None):
@@ -58,18 +59,24 @@ class ParallelAttention(nnx.Module):
     self.o = flax_tp.RowParallelDense(width, cfg.d_model, input_is_parallel=True,
                                       shard_unit=cfg.head_dim, use_bias=cfg.attn_out_bias,
                                       **kw)
+    if cfg.qk_norm:  # over head_dim, replicated: each device norms its own heads
+      self.q_norm = cfg.norm_layer(rngs, cfg.head_dim)
+      self.k_norm = cfg.norm_layer(rngs, cfg.head_dim)
     self.cfg = cfg
 
-  def _project(self, x_bsd, positions=None):
+  def _project(self, x_bsd, layer, positions=None):
     """This device's query heads ``[b, s, hq_pad, k]`` and kv heads ``[b, s, hkv_pad, k]``
-    (rotary applied at ``positions [b, s]``, default ``0 .. s-1``)."""
+    (q/k normed if ``qk_norm``, then rotary as ``layer``'s kind has it, at ``positions
+    [b, s]``, default ``0 .. s-1``). Padded heads stay zero: a norm of zero is zero."""
     b, s, _ = x_bsd.shape
     # One matmul for q, k and v (their local kernels joined), one all-reduce of
     # the input gradient in backward.
     split = lambda t: t.reshape(b, s, -1, self.cfg.head_dim)
     q, k, v = map(split, flax_tp.fused_column_parallel((self.q, self.k, self.v), x_bsd))
-    base = self.cfg.rope_base
-    return ops.rotary(q, base, positions), ops.rotary(k, base, positions), v
+    if self.cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    rotate = functools.partial(layer_kinds.rotate, self.cfg, positions=positions, layer=layer)
+    return rotate(q), rotate(k), v
 
   def __call__(self, x_bsd, key, layer, rows, seq=None):
     """x: ``[b, s, d]`` replicated -> ``[b, s, d]`` replicated (after one all-reduce).
@@ -82,7 +89,7 @@ class ParallelAttention(nnx.Module):
     if seq is not None:
       x_bsd = seq.gather(x_bsd)
     b, s, _ = x_bsd.shape
-    q, k, v = self._project(x_bsd)
+    q, k, v = self._project(x_bsd, layer)
     device = flax_tp.shard_index(self.q.axis_name)
     grouped = cfg.kv_heads != cfg.num_heads
     if grouped:
@@ -95,7 +102,9 @@ class ParallelAttention(nnx.Module):
     first_head = jnp.asarray(self.q.layout.offsets)[device]
     heads = first_head // cfg.head_dim + jnp.arange(q.shape[2])
     out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
-                               rate=cfg.dropout, rows=rows, heads=heads)
+                               rate=cfg.dropout, rows=rows, heads=heads,
+                               window=layer_kinds.window_of(cfg, layer),
+                               scale=cfg.attn_scale, softcap=cfg.attn_softcap)
     if grouped:
       # A padded query head (zero q) would average real values: zero it, as
       # plain attention's padded heads (zero q, k and v) are.
@@ -103,9 +112,10 @@ class ParallelAttention(nnx.Module):
     out = out.reshape(b, s, -1)
     return self.o(out if seq is None else seq.for_scatter(out))
 
-  def extend(self, x_bsd, cache, positions):
-    """One cached step: ``x [b, s, d]`` replicated at ``positions [b, s]`` (consecutive
-    per row) -> (``[b, s, d]`` replicated after one all-reduce, the updated cache).
+  def extend(self, x_bsd, cache, positions, layer):
+    """One cached step of block ``layer``: ``x [b, s, d]`` replicated at ``positions
+    [b, s]`` (consecutive per row) -> (``[b, s, d]`` replicated after one all-reduce,
+    the updated cache).
 
     cache: ``(k, v)``, each ``[b, L, hkv_pad, k]``, this device's kv heads (the heads
     its query heads use, replicated ones included, padding zero). The new tokens'
@@ -114,19 +124,21 @@ class ParallelAttention(nnx.Module):
     """
     cfg = self.cfg
     b, s, _ = x_bsd.shape
-    q, k, v = self._project(x_bsd, positions)
+    q, k, v = self._project(x_bsd, layer, positions)
     write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(
         c, new.astype(c.dtype), at, axis=0))
     cache_k, cache_v = (write(c, new, positions[:, 0]) for c, new in zip(cache, (k, v),
                                                                            strict=True))
+    options = dict(window=layer_kinds.window_of(cfg, layer), scale=cfg.attn_scale,
+                   softcap=cfg.attn_softcap)
     if self.k.layout.groups_line_up:  # read each kv head once for its whole group
       out = ops.cached_attention(q.reshape(b, s, cache_k.shape[2], -1, cfg.head_dim),
-                                 cache_k, cache_v, positions)
+                                 cache_k, cache_v, positions, **options)
     else:  # replicated kv heads straddle a device's groups: pick each query head's
       index, real = (jnp.asarray(t)[flax_tp.shard_index(self.q.axis_name)]
                      for t in self.k.layout.kv_for_query_heads)
       out = ops.cached_attention(q[:, :, :, None], jnp.take(cache_k, index, axis=2),
-                                 jnp.take(cache_v, index, axis=2), positions)
+                                 jnp.take(cache_v, index, axis=2), positions, **options)
       out = jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))
     return self.o(out.reshape(b, s, -1)), (cache_k, cache_v)
 
@@ -135,24 +147,24 @@ class ParallelMLP(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
     kw = dict(mesh=mesh, dtype=cfg.compute_dtype, use_bias=cfg.mlp_bias, rngs=rngs)
     # gate and up are split identically, so the gating stays on each device.
-    if cfg.mlp == "swiglu":
+    if cfg.mlp in GATED:
       self.gate = flax_tp.ColumnParallelDense(cfg.d_model, cfg.d_ff, gather_output=False, **kw)
     self.up = flax_tp.ColumnParallelDense(cfg.d_model, cfg.d_ff, gather_output=False, **kw)
     self.down = flax_tp.RowParallelDense(cfg.d_ff, cfg.d_model, input_is_parallel=True, **kw)
-    self.swiglu = cfg.mlp == "swiglu"
+    self.kind = cfg.mlp
 
   def __call__(self, x_bsd, seq=None):
     """``[b, s, d]`` replicated -> ``[b, s, d]`` replicated; GELU(0) = SiLU(0) = 0 keeps
-    padding at 0. With ``seq``, this device's sequence block in and out (one
+    padding at 0 (``ops.mlp_hidden``). With ``seq``, this device's sequence block in and out (one
     all-gather in, one reduce-scatter out)."""
     if seq is not None:
       x_bsd = seq.gather(x_bsd)
     # gate and up as one matmul (one backward all-reduce, or with SP reduce-scatter)
-    if self.swiglu:
-      gate, up = flax_tp.fused_column_parallel((self.gate, self.up), x_bsd)
-      hidden = jax.nn.silu(gate) * up
+    if self.kind in GATED:
+      hidden = ops.mlp_hidden(self.kind, *flax_tp.fused_column_parallel((self.gate, self.up),
+                                                                       x_bsd))
     else:
-      hidden = jax.nn.gelu(self.up(x_bsd))
+      hidden = ops.mlp_hidden(self.kind, None, self.up(x_bsd))
     return self.down(hidden if seq is None else seq.for_scatter(hidden))
 
 
@@ -162,21 +174,30 @@ class ParallelBlock(nnx.Module):
     self.attn = ParallelAttention(cfg, mesh=mesh, rngs=rngs)
     self.ln2 = cfg.norm_layer(rngs)
     self.mlp = ParallelMLP(cfg, mesh=mesh, rngs=rngs)
+    if cfg.sandwich_norm:  # Gemma 2/3: each branch's output normed before its residual add
+      self.ln_attn_out = cfg.norm_layer(rngs)
+      self.ln_mlp_out = cfg.norm_layer(rngs)
     self.cfg = cfg
 
-  def extend(self, x_bsd, cache, positions):
-    """The block on new tokens with a KV cache (no dropout: inference)."""
-    attn, cache = self.attn.extend(self.ln1(x_bsd), cache, positions)
-    x_bsd = x_bsd + attn
-    return x_bsd + self.mlp(self.ln2(x_bsd)), cache
+  def _attn_out(self, x):
+    return self.ln_attn_out(x) if self.cfg.sandwich_norm else x
+
+  def _mlp_out(self, x):
+    return self.ln_mlp_out(x) if self.cfg.sandwich_norm else x
+
+  def extend(self, x_bsd, cache, positions, layer):
+    """Block ``layer`` on new tokens with a KV cache (no dropout: inference)."""
+    attn, cache = self.attn.extend(self.ln1(x_bsd), cache, positions, layer)
+    x_bsd = x_bsd + self._attn_out(attn)
+    return x_bsd + self._mlp_out(self.mlp(self.ln2(x_bsd))), cache
 
   def __call__(self, x_bsd, key, layer, rows, seq=None):
     """``[b, s, d]`` replicated, or with ``seq`` this device's block ``[b, s_pad, d]``
     (norms, dropout and residuals then run on the block only)."""
     drop = functools.partial(_dropout, rate=self.cfg.dropout, rows=rows, seq=seq)
-    attn = self.attn(self.ln1(x_bsd), key, layer, rows, seq)
+    attn = self._attn_out(self.attn(self.ln1(x_bsd), key, layer, rows, seq))
     x_bsd = x_bsd + drop(attn, ops.site_key(key, layer, ops.ATTN_OUT))
-    mlp = self.mlp(self.ln2(x_bsd), seq)
+    mlp = self._mlp_out(self.mlp(self.ln2(x_bsd), seq))
     return x_bsd + drop(mlp, ops.site_key(key, layer, ops.MLP_OUT))
 
 
@@ -226,14 +247,16 @@ class Transformer(nnx.Module):
     if self.execution.sequence_parallel:
       seq = SequenceSplit.of(tokens_bs.shape[1], self.mesh.shape[flax_tp.MODEL_AXIS])
       tokens_bs = seq.layout.pad(tokens_bs, 1)
-    x = self.embed(tokens_bs)  # sequence parallel: reduce-scattered to this device's block
+    x = ops.scale_embeddings(cfg, self.embed(tokens_bs))  # sequence parallel:
+    # reduce-scattered to this device's block
     if seq is not None:
       x = seq.zero_padding(x)
     x = _dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout, rows, seq)
     x = self._blocks(x, dropout_key, rows, seq)
     x = self.ln_f(x)
     x = flax_tp.copy_to_parallel(x) if seq is None else seq.gather(x)
-    return self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
+    return ops.softcap(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
+                       cfg.final_softcap)
 
   def _blocks(self, x, key, rows, seq):
     """The blocks in order (``flax_tp.remat.run_blocks``): a Python loop, or one
@@ -267,16 +290,16 @@ class Transformer(nnx.Module):
     returns this device's vocabulary shard of those logits ``[b, vocab_pad]`` and
     the updated cache. Per block the communication is Megatron's two all-reduces.
     """
-    x = self.embed(tokens_bs)
+    x = ops.scale_embeddings(self.cfg, self.embed(tokens_bs))
     new_cache = []
-    for block, layer_cache in zip(self._each_block(), cache, strict=True):
-      x, layer_cache = block.extend(x, layer_cache, positions_bs)
+    for layer, (block, layer_cache) in enumerate(zip(self._each_block(), cache, strict=True)):
+      x, layer_cache = block.extend(x, layer_cache, positions_bs, layer)
       new_cache.append(layer_cache)
     # The final norm and the head only for the position whose logits are wanted.
     x = jnp.take_along_axis(x, last_b[:, None, None], axis=1)[:, 0]  # [b, d]
     x = flax_tp.copy_to_parallel(self.ln_f(x))
     logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.head(x)
-    return logits, tuple(new_cache)
+    return ops.softcap(logits, self.cfg.final_softcap), tuple(new_cache)
 
   def _standalone(self, tokens_bs, dropout_key):
     graphdef, state = nnx.split(self)
