@@ -1,24 +1,25 @@
-"""HuggingFace Llama / Qwen2 checkpoints in and out of ``models.transformer.Transformer``.
+"""HuggingFace checkpoints in and out of ``models.transformer.Transformer``: the families
+of ``models/families.py`` (Llama 2/3.x, Qwen2, Qwen3, Mistral, Gemma 1-3, Phi-3).
 
     model = load_hf("path/to/dir", flax_tp.make_mesh("2x4"))   # config.json + safetensors
     save_hf(model, "out/dir")     # transformers.AutoModelForCausalLM.from_pretrained("out/dir")
     to_hf_state_dict(nnx.state(model, nnx.Param))   # {HF name: [out, in] numpy array}
 
 Layouts: HF stores a linear layer's weight as ``[out, in]``, flax as ``kernel
-[in, out]``. HF's Llama/Qwen2 rotary already uses the rotate-half convention
-(the first and second halves of a head are the pairs), which is what
+[in, out]``. HF's rotary already uses the rotate-half convention (the first and
+second halves of a head's rotated dims are the pairs), which is what
 ``models.ops.rotary`` computes, so q/k need no permutation. Loading reads one
-tensor at a time (safetensors) and places it straight into its shards.
+tensor at a time (safetensors) and places it straight into its shards; a fused
+tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``) is cut into its parts first, and
+each part is split over the devices in whole heads as the unfused model's is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,132 +32,17 @@ from flax_tp.logical import stored_like
 from flax_tp.stack import per_layer_paths, set_layer, stacked_layers
 from models.config import TransformerConfig, check_architecture_fields
 from models.execution import Execution
+from models.families import SUPPORTED, HFConfigError, config_from_hf, config_to_hf, tensor_names
 from models.transformer import Transformer
 
-SUPPORTED = ("llama", "qwen2")
+__all__ = ["SUPPORTED", "HFConfigError", "config_from_hf", "config_to_hf", "load_hf",
+           "read_config", "save_hf", "to_hf_state_dict"]
 
 
-class HFConfigError(ValueError):
-  """A config.json flax_tp cannot honour exactly (never silently a different model)."""
-
-
-def _number(hf: dict[str, Any], field: str, default: Any = None, *, integer: bool) -> Any:
-  """``hf[field]`` (or ``default`` when absent or null) as a positive int / finite positive
-  float; ``HFConfigError`` naming the field otherwise (NaN, negative, a string...)."""
-  value = hf.get(field)
-  if value is None:
-    if default is None:
-      raise HFConfigError(f"config.json lacks {field!r}")
-    return default
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-  if integer:
-    ok = ok and float(value).is_integer()
-  if not ok or value <= 0:
-    raise HFConfigError(f"config.json field {field!r} is {value!r}; expected a positive "
-                        f"{'integer' if integer else 'finite number'}")
-  return int(value) if integer else float(value)
-
-
-def _flag(hf: dict[str, Any], field: str, default: bool) -> bool:
-  value = hf.get(field, default)
-  if not isinstance(value, bool):
-    raise HFConfigError(f"config.json field {field!r} is {value!r}; expected true or false")
-  return value
-
-
-def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
-  """The ``TransformerConfig`` of an HF ``config.json``; ``HFConfigError`` naming the field
-  it cannot honour."""
-  if not isinstance(hf, dict):
-    raise HFConfigError(f"config.json holds a {type(hf).__name__}, not an object of fields")
-  kind = hf.get("model_type")
-  if kind not in SUPPORTED:
-    raise HFConfigError(f"model_type {kind!r} is not supported (expected one of {SUPPORTED})")
-  act = hf.get("hidden_act", "silu")
-  if act != "silu":
-    raise HFConfigError(f"hidden_act {act!r} is not supported (expected 'silu')")
-  rope = hf.get("rope_parameters") or {}  # transformers 5 keeps the rope settings here
-  scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
-                                       else None)
-  if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-    raise HFConfigError(f"rope_scaling {scaling!r} is not implemented (only plain rotary)")
-  if hf.get("use_sliding_window") or (kind != "qwen2" and hf.get("sliding_window")):
-    raise HFConfigError(f"sliding_window {hf.get('sliding_window')!r} is not implemented")
-  layer_types = set(hf.get("layer_types") or ["full_attention"])
-  if layer_types != {"full_attention"}:
-    raise HFConfigError(f"layer_types {sorted(layer_types)} is not implemented (only "
-                        "'full_attention')")
-  heads = _number(hf, "num_attention_heads", integer=True)
-  d_model = _number(hf, "hidden_size", integer=True)
-  if not hf.get("head_dim") and d_model % heads:
-    raise HFConfigError(f"config.json field 'hidden_size' {d_model} is not divisible by "
-                        f"'num_attention_heads' {heads} and there is no 'head_dim'")
-  head_dim = _number(hf, "head_dim", d_model // heads, integer=True)
-  if kind == "qwen2":
-    biases = dict(qkv_bias=True, attn_out_bias=False, mlp_bias=False)
-  else:
-    attention_bias = _flag(hf, "attention_bias", False)
-    biases = dict(qkv_bias=attention_bias, attn_out_bias=attention_bias,
-                  mlp_bias=_flag(hf, "mlp_bias", False))
-  theta_from = rope if "rope_theta" in rope else hf
-  return TransformerConfig(
-      vocab_size=_number(hf, "vocab_size", integer=True), d_model=d_model, num_heads=heads,
-      num_kv_heads=_number(hf, "num_key_value_heads", heads, integer=True), head_dim=head_dim,
-      d_ff=_number(hf, "intermediate_size", integer=True),
-      num_layers=_number(hf, "num_hidden_layers", integer=True),
-      max_seq_len=_number(hf, "max_position_embeddings", 2048, integer=True),
-      tie_embeddings=_flag(hf, "tie_word_embeddings", False),
-      rope_base=_number(theta_from, "rope_theta", 10_000.0, integer=False),
-      norm_eps=_number(hf, "rms_norm_eps", 1e-6, integer=False), norm="rmsnorm",
-      mlp="swiglu", **biases)
-
-
-def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
-  """The HF ``config.json`` of a Llama/Qwen2-style config (``HFConfigError`` otherwise)."""
-  if cfg.norm != "rmsnorm" or cfg.mlp != "swiglu":
-    raise HFConfigError(f"norm={cfg.norm!r}, mlp={cfg.mlp!r} has no Llama/Qwen2 equivalent "
-                        "(needs norm='rmsnorm', mlp='swiglu')")
-  qwen2 = cfg.qkv_bias and not cfg.attn_out_bias and not cfg.mlp_bias
-  if not qwen2 and cfg.qkv_bias != cfg.attn_out_bias:
-    raise HFConfigError(f"qkv_bias={cfg.qkv_bias}, attn_out_bias={cfg.attn_out_bias}: Llama "
-                        "has both or neither, Qwen2 q/k/v biases only")
-  out = dict(
-      model_type="qwen2" if qwen2 else "llama",
-      architectures=["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-      vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-      num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
-      max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-      rope_theta=cfg.rope_base, tie_word_embeddings=cfg.tie_embeddings,
-      torch_dtype="float32")
-  if not qwen2:
-    out.update(attention_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias)
-  else:
-    out.update(use_sliding_window=False)
-  return out
-
-
-def _names(cfg: TransformerConfig) -> Iterator[tuple[tuple, str, bool]]:
-  """``(flax_tp param path, HF name, transposed)`` of every parameter."""
-  yield ("embed", "embedding"), "model.embed_tokens.weight", False
-  proj = [("attn", "q", "self_attn.q_proj", cfg.qkv_bias),
-          ("attn", "k", "self_attn.k_proj", cfg.qkv_bias),
-          ("attn", "v", "self_attn.v_proj", cfg.qkv_bias),
-          ("attn", "o", "self_attn.o_proj", cfg.attn_out_bias),
-          ("mlp", "gate", "mlp.gate_proj", cfg.mlp_bias),
-          ("mlp", "up", "mlp.up_proj", cfg.mlp_bias),
-          ("mlp", "down", "mlp.down_proj", cfg.mlp_bias)]
-  for i in range(cfg.num_layers):
-    for group, name, hf, bias in proj:
-      yield ("blocks", i, group, name, "kernel"), f"model.layers.{i}.{hf}.weight", True
-      if bias:
-        yield ("blocks", i, group, name, "bias"), f"model.layers.{i}.{hf}.bias", False
-    yield ("blocks", i, "ln1", "scale"), f"model.layers.{i}.input_layernorm.weight", False
-    yield (("blocks", i, "ln2", "scale"), f"model.layers.{i}.post_attention_layernorm.weight",
-           False)
-  yield ("ln_f", "scale"), "model.norm.weight", False
-  if not cfg.tie_embeddings:
-    yield ("head", "kernel"), "lm_head.weight", True
+def _names(cfg: TransformerConfig):
+  """Every HF tensor of ``cfg`` (``models.families.HFTensor``): its name, the flax_tp
+  params it holds, transposed or not, and (fused) each param's rows."""
+  return tensor_names(cfg)
 
 
 def _at(state: nnx.State, path: tuple) -> Any:
@@ -171,9 +57,10 @@ def to_hf_state_dict(state: nnx.State, cfg: TransformerConfig) -> dict[str, np.n
   ``Transformer`` with config ``cfg``."""
   logical = flax_tp.unshard(state)
   out = {}
-  for path, name, transposed in _names(cfg):
-    value = np.asarray(_at(logical, path)[...])
-    out[name] = np.ascontiguousarray(value.T if transposed else value)
+  for tensor in _names(cfg):
+    parts = [np.asarray(_at(logical, path)[...]) for path in tensor.paths]
+    value = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]  # fused: rows
+    out[tensor.name] = np.ascontiguousarray(value.T if tensor.transposed else value)
   return out
 
 
@@ -289,15 +176,23 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
              for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
              for layer, layer_path in enumerate(per_layer_paths(path, var))}
   used = set()
-  for flax_path, name, transposed in _names(cfg):
-    value = tensors.get(name)
-    value = value.T if transposed else value
-    var, layer = targets[flax_path]
-    if layer is None:
-      var[...] = stored_like(var, value, name)
+  for tensor in _names(cfg):
+    value = tensors.get(tensor.name)
+    if tensor.sizes is not None:  # fused rows: each part's, in order
+      if value.shape[0] != sum(tensor.sizes):
+        raise HFConfigError(f"tensor {tensor.name!r} has {value.shape[0]} rows; the config "
+                            f"gives {' + '.join(map(str, tensor.sizes))}")
+      parts = np.split(value, np.cumsum(tensor.sizes)[:-1], axis=0)
     else:
-      set_layer(var, layer, value, name)
-    used.add(name)
+      parts = [value]
+    for flax_path, part in zip(tensor.paths, parts, strict=True):
+      part = part.T if tensor.transposed else part
+      var, layer = targets[flax_path]
+      if layer is None:
+        var[...] = stored_like(var, part, tensor.name)
+      else:
+        set_layer(var, layer, part, tensor.name)
+    used.add(tensor.name)
   # A tied model's file may also hold the head (equal to the embedding: see read_config).
   unused = sorted(set(tensors.files) - used - ({"lm_head.weight"} if cfg.tie_embeddings
                                                else set()))
@@ -307,8 +202,13 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
   return model
 
 
-def save_hf(model: Transformer, path: str | Path) -> None:
-  """Writes ``config.json`` and ``model.safetensors`` (float32) that transformers loads.
+def save_hf(model: Transformer, path: str | Path, *,
+            special_tokens: dict[str, int | list[int] | None] | None = None) -> None:
+  """Writes ``config.json`` and ``model.safetensors`` (float32) that transformers loads,
+  as the model's family (``models/families.py``) names them.
+
+  special_tokens: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` to write into
+  config.json (flax_tp's model does not carry them).
 
   Each file is written beside its place and renamed over it, so an interrupted save
   leaves the folder's earlier files whole. A folder holding a sharded checkpoint
@@ -319,6 +219,11 @@ def save_hf(model: Transformer, path: str | Path) -> None:
   from safetensors.numpy import save_file
   cfg = model.cfg
   hf_config = config_to_hf(cfg)  # refuses a model HF cannot represent, before writing
+  wrong = sorted(set(special_tokens or ()) - {"bos_token_id", "eos_token_id", "pad_token_id"})
+  if wrong:
+    raise ValueError(f"special_tokens holds {wrong[0]!r}; expected bos_token_id, "
+                     "eos_token_id or pad_token_id")
+  hf_config.update(special_tokens or {})
   directory = Path(path)
   if (directory / INDEX).exists():
     raise FileExistsError(f"refusing to save into {str(directory)!r}: it holds a sharded "

@@ -183,12 +183,13 @@ def test_broken_hf_folders_are_named(tmp_path, meshes, how, message):
 
 @pytest.mark.parametrize("change,field", [
     ({"model_type": "gpt2"}, "model_type 'gpt2'"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-     "rope_scaling"),
-    ({"use_sliding_window": True, "sliding_window": 8}, "sliding_window"),
-    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling rope_type"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}},
+     "rope_parameters rope_type 'longrope'"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "chunked_attention"),
+    ({"layer_types": ["full_attention"]}, "layer_types"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_parameters": {"sliding_attention": {"rope_theta": 1e4}}}, "per layer type"),
 ])
 def test_configs_it_cannot_honour_are_named(change, field):
   config = json.loads((FIXTURES / "qwen2" / "config.json").read_text())

@@ -1,0 +1,587 @@
+"""The HuggingFace model families flax_tp loads and writes, each one declaration.
+
+A ``Family`` says how its ``config.json`` maps onto ``TransformerConfig`` (``read``:
+the family's own fields over the ones every family shares, read by ``_shared``),
+how a config is written back (``write``), and which tensors it stores fused
+(``fused``). The tensor names themselves are shared (``tensor_names``): Llama's,
+with the extra norms a config asks for (``qk_norm``: ``self_attn.q_norm``/``k_norm``;
+``sandwich_norm``: Gemma 2's four norms per layer). Adding a family is a declaration
+here, and a mechanism in ``models/transformer.py`` only when it brings a new one.
+
+A config field that changes the computation and is not honoured is an error
+naming it (``HFConfigError``), never a silently different model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from models.config import FULL, SLIDING, RopeScaling, TransformerConfig
+
+
+class HFConfigError(ValueError):
+  """A config.json flax_tp cannot honour exactly (never silently a different model)."""
+
+
+# -- reading fields --------------------------------------------------------------------------
+
+def _number(hf: dict[str, Any], field: str, default: Any = None, *, integer: bool) -> Any:
+  """``hf[field]`` (or ``default`` when absent or null) as a positive int / finite positive
+  float; ``HFConfigError`` naming the field otherwise (NaN, negative, a string...)."""
+  value = hf.get(field)
+  if value is None:
+    if default is None:
+      raise HFConfigError(f"config.json lacks {field!r}")
+    return default
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  if integer:
+    ok = ok and float(value).is_integer()
+  if not ok or value <= 0:
+    raise HFConfigError(f"config.json field {field!r} is {value!r}; expected a positive "
+                        f"{'integer' if integer else 'finite number'}")
+  return int(value) if integer else float(value)
+
+
+def _optional(hf: dict[str, Any], field: str, *, integer: bool) -> Any:
+  """``hf[field]`` as ``_number`` reads it, or None where absent or null."""
+  return None if hf.get(field) is None else _number(hf, field, integer=integer)
+
+
+def _flag(hf: dict[str, Any], field: str, default: bool) -> bool:
+  value = hf.get(field, default)
+  if value is None:
+    return default
+  if not isinstance(value, bool):
+    raise HFConfigError(f"config.json field {field!r} is {value!r}; expected true or false")
+  return value
+
+
+def _activation(hf: dict[str, Any], fields: tuple[str, ...], honoured: dict[str, str]) -> str:
+  """The MLP kind of the first of ``fields`` present (``hidden_act``, Gemma 2's
+  ``hidden_activation``), by ``honoured`` {HF activation: mlp kind}."""
+  for field in fields:
+    if hf.get(field) is not None:
+      if hf[field] not in honoured:
+        raise HFConfigError(f"{field} {hf[field]!r} is not supported (expected one of "
+                            f"{tuple(honoured)})")
+      return honoured[hf[field]]
+  return next(iter(honoured.values()))
+
+
+# -- rotary ----------------------------------------------------------------------------------
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_dict(hf: dict[str, Any], layer_type: str | None) -> tuple[dict[str, Any], str]:
+  """The rope settings of ``layer_type``'s layers (None: the one setting of every layer)
+  and the field they came from, as transformers 5 resolves them: the legacy
+  ``rope_scaling`` where present (it replaces ``rope_parameters``; for Gemma 3 it
+  updates the full-attention layers'), else ``rope_parameters`` (nested by layer type
+  for Gemma 3)."""
+  params = hf.get("rope_parameters")
+  if params is not None and not isinstance(params, dict):
+    raise HFConfigError(f"config.json field 'rope_parameters' is {params!r}; expected an object")
+  legacy = hf.get("rope_scaling")
+  if legacy is not None and not isinstance(legacy, dict):
+    raise HFConfigError(f"config.json field 'rope_scaling' is {legacy!r}; expected an object")
+  nested = isinstance(params, dict) and any(isinstance(v, dict) for v in params.values())
+  if nested:
+    if layer_type is None:
+      raise HFConfigError(f"rope_parameters is per layer type ({sorted(params)}), which this "
+                          f"family does not have")
+    own = dict(params.get(layer_type) or {})
+    if legacy and layer_type == FULL:
+      return {**own, **legacy}, "rope_scaling"
+    return own, "rope_parameters"
+  if legacy:
+    return dict(legacy), "rope_scaling"
+  return dict(params or {}), "rope_parameters"
+
+
+def _rope(hf: dict[str, Any], layer_type: str | None = None,
+          default_theta: float = 10_000.0) -> tuple[float, RopeScaling | None, float]:
+  """``(rope_base, rope_scaling, rotary_fraction)`` of ``layer_type``'s layers, with
+  transformers' defaults; a kind flax_tp does not implement is named."""
+  rope, field = _rope_dict(hf, layer_type)
+  theta = _number(rope if rope.get("rope_theta") is not None else hf, "rope_theta",
+                  default_theta, integer=False)
+  fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+  fraction = 1.0 if fraction is None else float(fraction)
+  if not 0 < fraction <= 1:
+    raise HFConfigError(f"partial_rotary_factor {fraction!r} is not in (0, 1]")
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if kind not in ROPE_TYPES:
+    raise HFConfigError(f"{field} rope_type {kind!r} is not implemented (flax_tp implements "
+                        f"{ROPE_TYPES}; 'dynamic' rescales with the sequence, 'longrope' "
+                        "needs per-dimension factors)")
+  if kind == "default":
+    return theta, None, fraction
+  factor = rope.get("factor")
+  original = hf.get("original_max_position_embeddings") or rope.get(
+      "original_max_position_embeddings") or hf.get("max_position_embeddings")
+  if kind == "yarn" and factor is None and original:
+    factor = _number(hf, "max_position_embeddings", integer=True) / original
+  factor = _number({"factor": factor}, "factor", integer=False)
+  if kind == "linear":
+    return theta, RopeScaling("linear", factor), fraction
+  original = _number({"original_max_position_embeddings": original},
+                     "original_max_position_embeddings", integer=True)
+  if kind == "llama3":
+    return theta, RopeScaling(
+        "llama3", factor, low_freq_factor=_number(rope, "low_freq_factor", integer=False),
+        high_freq_factor=_number(rope, "high_freq_factor", integer=False),
+        original_max_len=original), fraction
+
+  def mscale(scale, m=1.0):  # transformers' get_mscale
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+  attention = rope.get("attention_factor")
+  if attention is None:
+    m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+    attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else \
+        mscale(factor)
+  return theta, RopeScaling(
+      "yarn", factor, original_max_len=original, attention_factor=float(attention),
+      beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+      truncate=bool(rope.get("truncate", True))), fraction
+
+
+def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
+  theta, scaling, fraction = _rope(hf)
+  return dict(rope_base=theta, rope_scaling=scaling, rotary_fraction=fraction)
+
+
+def _rope_out(cfg: TransformerConfig) -> dict[str, Any]:
+  """The rope fields of a config.json (legacy form, which transformers 4 and 5 read)."""
+  out = dict(rope_theta=cfg.rope_base)
+  if cfg.rope_scaling is not None:
+    out["rope_scaling"] = _scaling_out(cfg.rope_scaling)
+  if cfg.rotary_fraction != 1.0:
+    out["partial_rotary_factor"] = cfg.rotary_fraction
+  return out
+
+
+def _scaling_out(scaling: RopeScaling | None) -> dict[str, Any]:
+  if scaling is None:
+    return {"rope_type": "default"}
+  out = dict(rope_type=scaling.kind, factor=scaling.factor)
+  if scaling.kind == "llama3":
+    out.update(low_freq_factor=scaling.low_freq_factor,
+               high_freq_factor=scaling.high_freq_factor,
+               original_max_position_embeddings=scaling.original_max_len)
+  elif scaling.kind == "yarn":
+    out.update(original_max_position_embeddings=scaling.original_max_len,
+               attention_factor=scaling.attention_factor, beta_fast=scaling.beta_fast,
+               beta_slow=scaling.beta_slow, truncate=scaling.truncate)
+  return out
+
+
+# -- attention layouts -----------------------------------------------------------------------
+
+def _layer_types(hf: dict[str, Any], layers: int, default: Callable[[int], str]) -> tuple:
+  types = hf.get("layer_types")
+  if types is None:
+    return tuple(default(i) for i in range(layers))
+  if not isinstance(types, list) or len(types) != layers:
+    raise HFConfigError(f"config.json field 'layer_types' is {types!r}; expected a list of "
+                        f"num_hidden_layers={layers} entries")
+  wrong = sorted(set(types) - {FULL, SLIDING})
+  if wrong:
+    raise HFConfigError(f"layer_types {wrong[0]!r} is not implemented (only {FULL!r} and "
+                        f"{SLIDING!r})")
+  return tuple(types)
+
+
+def _windows(types: tuple, window: int | None) -> dict[str, Any]:
+  """``layer_types`` / ``sliding_window`` fields: None where every layer is full (or no
+  layer has a window to slide)."""
+  if window is None or SLIDING not in types:
+    return dict(layer_types=None, sliding_window=None)
+  return dict(layer_types=types, sliding_window=window)
+
+
+def _qwen_windows(hf: dict[str, Any], layers: int) -> dict[str, Any]:
+  """Qwen2/Qwen3: sliding layers only with ``use_sliding_window`` (from
+  ``max_window_layers`` on, unless ``layer_types`` says which)."""
+  window = _optional(hf, "sliding_window", integer=True) if _flag(
+      hf, "use_sliding_window", False) else None
+  first = hf.get("max_window_layers") or 0
+  types = _layer_types(hf, layers, lambda i: SLIDING if window is not None and i >= first
+                       else FULL)
+  return _windows(types, window)
+
+
+def _no_bidirectional(hf: dict[str, Any]) -> None:
+  if hf.get("use_bidirectional_attention"):
+    raise HFConfigError("use_bidirectional_attention true is not implemented (flax_tp's "
+                        "attention is causal)")
+
+
+def _layer_types_out(cfg: TransformerConfig) -> dict[str, Any]:
+  if cfg.layer_types is None:
+    return dict(layer_types=[FULL] * cfg.num_layers)
+  return dict(layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window)
+
+
+# -- the families ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One HF family: its ``model_type``, architecture, the config fields it reads
+  beyond the shared ones, what it writes back, and whether it fuses q/k/v and
+  gate/up on disk (Phi-3: ``qkv_proj`` rows q, k, v; ``gate_up_proj`` rows gate, up).
+
+  read: config.json -> ``TransformerConfig`` fields that override the shared ones.
+  write: config -> config.json fields beyond the shared ones (``HFConfigError`` for a
+  config the family cannot represent).
+  """
+
+  model_type: str
+  architecture: str
+  read: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
+  write: Callable[[TransformerConfig], dict[str, Any]]
+  fused: bool = False
+
+  @property
+  def name(self) -> str | None:
+    """``TransformerConfig.family``: None for Llama and Qwen2, which the biases tell
+    apart (a run written before the families keeps its identity)."""
+    return None if self.model_type in ("llama", "qwen2") else self.model_type
+
+
+def _llama_read(hf, shared):
+  bias = _flag(hf, "attention_bias", False)
+  return dict(qkv_bias=bias, attn_out_bias=bias, mlp_bias=_flag(hf, "mlp_bias", False),
+              mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}))
+
+
+def _llama_write(cfg):
+  _require(cfg, "llama", norm="rmsnorm", mlp="swiglu", qk_norm=False, sandwich_norm=False,
+           layer_types=None, rotary_fraction=1.0)
+  if cfg.qkv_bias != cfg.attn_out_bias:
+    raise HFConfigError(f"qkv_bias={cfg.qkv_bias}, attn_out_bias={cfg.attn_out_bias}: Llama "
+                        "has both or neither, Qwen2 q/k/v biases only")
+  return dict(attention_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias)
+
+
+def _qwen2_read(hf, shared):
+  return dict(qkv_bias=True, attn_out_bias=False, mlp_bias=False,
+              mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}),
+              **_qwen_windows(hf, shared["num_layers"]))
+
+
+def _qwen_windows_out(cfg):
+  if cfg.layer_types is None:
+    return dict(use_sliding_window=False)
+  return dict(use_sliding_window=True, max_window_layers=0, **_layer_types_out(cfg))
+
+
+def _qwen2_write(cfg):
+  _require(cfg, "qwen2", norm="rmsnorm", mlp="swiglu", qk_norm=False, qkv_bias=True,
+           attn_out_bias=False, mlp_bias=False, rotary_fraction=1.0)
+  return _qwen_windows_out(cfg)
+
+
+def _qwen3_read(hf, shared):
+  bias = _flag(hf, "attention_bias", False)
+  return dict(qkv_bias=bias, attn_out_bias=bias, mlp_bias=False, qk_norm=True,
+              mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}),
+              **_qwen_windows(hf, shared["num_layers"]))
+
+
+def _qwen3_write(cfg):
+  _require(cfg, "qwen3", norm="rmsnorm", mlp="swiglu", qk_norm=True, mlp_bias=False,
+           qkv_bias=cfg.attn_out_bias, rotary_fraction=1.0)
+  return dict(attention_bias=cfg.attn_out_bias, **_qwen_windows_out(cfg))
+
+
+def _mistral_read(hf, shared):
+  window = _optional(hf, "sliding_window", integer=True)
+  if hf.get("layer_types") is not None:
+    raise HFConfigError("layer_types in a mistral config is not what transformers' Mistral "
+                        "reads (its sliding_window applies to every layer); load it as "
+                        "its own family")
+  return dict(qkv_bias=False, attn_out_bias=False, mlp_bias=False,
+              mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}),
+              **_windows((SLIDING,) * shared["num_layers"], window))
+
+
+def _mistral_write(cfg):
+  _require(cfg, "mistral", norm="rmsnorm", mlp="swiglu", qk_norm=False, qkv_bias=False,
+           attn_out_bias=False, mlp_bias=False, rotary_fraction=1.0)
+  if cfg.layer_types is not None and set(cfg.layer_types) != {SLIDING}:
+    raise HFConfigError("mistral's sliding_window applies to every layer; this model mixes "
+                        "full and sliding layers")
+  return dict(sliding_window=cfg.sliding_window)
+
+
+_GELU_TANH = {"gelu_pytorch_tanh": "geglu", "gelu_tanh": "geglu"}
+
+
+def _gemma_read(hf, shared):
+  _no_bidirectional(hf)
+  bias = _flag(hf, "attention_bias", False)
+  return dict(norm="rmsnorm_offset", embed_scale=True, qkv_bias=bias, attn_out_bias=bias,
+              mlp_bias=False, tie_embeddings=_flag(hf, "tie_word_embeddings", True),
+              mlp=_activation(hf, ("hidden_act", "hidden_activation"), _GELU_TANH))
+
+
+def _gemma_write(cfg):
+  _require(cfg, "gemma", norm="rmsnorm_offset", mlp="geglu", embed_scale=True, qk_norm=False,
+           sandwich_norm=False, layer_types=None, mlp_bias=False, qkv_bias=cfg.attn_out_bias,
+           attn_scale=None, attn_softcap=None, final_softcap=None, rotary_fraction=1.0)
+  return dict(attention_bias=cfg.attn_out_bias, hidden_act="gelu_pytorch_tanh")
+
+
+def _gemma2_read(hf, shared):
+  fields = _gemma_read(hf, shared)
+  fields["mlp"] = _activation(hf, ("hidden_activation", "hidden_act"), _GELU_TANH)
+  layers = shared["num_layers"]
+  types = _layer_types(hf, layers, lambda i: SLIDING if (i + 1) % 2 else FULL)
+  return dict(fields, sandwich_norm=True,
+              attn_scale=_number(hf, "query_pre_attn_scalar", 256, integer=False) ** -0.5,
+              attn_softcap=_optional(hf, "attn_logit_softcapping", integer=False),
+              final_softcap=_optional(hf, "final_logit_softcapping", integer=False),
+              **_windows(types, _optional(hf, "sliding_window", integer=True)))
+
+
+def _gemma2_out(cfg, family):
+  _require(cfg, family, norm="rmsnorm_offset", mlp="geglu", embed_scale=True,
+           sandwich_norm=True, mlp_bias=False, qkv_bias=cfg.attn_out_bias,
+           rotary_fraction=1.0)
+  if cfg.attn_scale is None:
+    raise HFConfigError(f"{family} needs attn_scale (query_pre_attn_scalar ** -0.5)")
+  return dict(attention_bias=cfg.attn_out_bias, hidden_activation="gelu_pytorch_tanh",
+              query_pre_attn_scalar=_whole(round(cfg.attn_scale ** -2, 6)),
+              attn_logit_softcapping=cfg.attn_softcap,
+              final_logit_softcapping=cfg.final_softcap, **_layer_types_out(cfg))
+
+
+def _whole(x: float) -> float | int:
+  return int(x) if float(x).is_integer() else x
+
+
+def _gemma2_write(cfg):
+  _require(cfg, "gemma2", qk_norm=False, rope_local_base=None)
+  return _gemma2_out(cfg, "gemma2")
+
+
+def _gemma3_read(hf, shared):
+  fields = _gemma2_read(hf, shared)
+  layers = shared["num_layers"]
+  pattern = hf.get("sliding_window_pattern") or 6
+  types = _layer_types(hf, layers, lambda i: SLIDING if (i + 1) % pattern else FULL)
+  fields.update(_windows(types, _optional(hf, "sliding_window", integer=True)))
+  nested = isinstance(hf.get("rope_parameters"), dict) and any(
+      isinstance(v, dict) for v in hf["rope_parameters"].values())
+  if nested:
+    theta, scaling, fraction = _rope(hf, FULL, 1_000_000.0)
+    local, local_scaling, local_fraction = _rope(hf, SLIDING, 10_000.0)
+  else:  # legacy: rope_theta and rope_scaling for global layers, rope_local_base_freq
+    theta, scaling, fraction = _rope(hf, None, 1_000_000.0)
+    local, local_scaling, local_fraction = _number(hf, "rope_local_base_freq", 10_000.0,
+                                                   integer=False), None, fraction
+  if local_scaling is not None or local_fraction != fraction:
+    raise HFConfigError("rope_parameters of sliding_attention layers with scaling or their "
+                        "own partial_rotary_factor are not implemented (only a plain base)")
+  return dict(fields, qk_norm=True, rope_base=theta, rope_scaling=scaling,
+              rotary_fraction=fraction, rope_local_base=local)
+
+
+def _gemma3_write(cfg):
+  _require(cfg, "gemma3_text", qk_norm=True)
+  out = _gemma2_out(cfg, "gemma3_text")
+  local = cfg.rope_base if cfg.rope_local_base is None else cfg.rope_local_base
+  out["rope_parameters"] = {
+      FULL: dict(_scaling_out(cfg.rope_scaling), rope_theta=cfg.rope_base),
+      SLIDING: dict(rope_type="default", rope_theta=local)}
+  return out
+
+
+def _phi3_read(hf, shared):
+  return dict(qkv_bias=False, attn_out_bias=False, mlp_bias=False,
+              mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}),
+              **_windows((SLIDING,) * shared["num_layers"],
+                         _optional(hf, "sliding_window", integer=True)))
+
+
+def _phi3_write(cfg):
+  _require(cfg, "phi3", norm="rmsnorm", mlp="swiglu", qk_norm=False, qkv_bias=False,
+           attn_out_bias=False, mlp_bias=False)
+  if cfg.layer_types is not None and set(cfg.layer_types) != {SLIDING}:
+    raise HFConfigError("phi3's sliding_window applies to every layer; this model mixes "
+                        "full and sliding layers")
+  return dict(sliding_window=cfg.sliding_window,
+              original_max_position_embeddings=cfg.max_seq_len)
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", "LlamaForCausalLM", _llama_read, _llama_write),
+    Family("qwen2", "Qwen2ForCausalLM", _qwen2_read, _qwen2_write),
+    Family("qwen3", "Qwen3ForCausalLM", _qwen3_read, _qwen3_write),
+    Family("mistral", "MistralForCausalLM", _mistral_read, _mistral_write),
+    Family("gemma", "GemmaForCausalLM", _gemma_read, _gemma_write),
+    Family("gemma2", "Gemma2ForCausalLM", _gemma2_read, _gemma2_write),
+    Family("gemma3_text", "Gemma3ForCausalLM", _gemma3_read, _gemma3_write),
+    Family("phi3", "Phi3ForCausalLM", _phi3_read, _phi3_write, fused=True),
+)}
+SUPPORTED = tuple(FAMILIES)
+
+# Llama's norm and MLP: what a family has unless its declaration says otherwise.
+_LLAMA_DEFAULTS = dict(norm="rmsnorm", mlp="swiglu")
+
+
+def _require(cfg: TransformerConfig, family: str, **fields) -> None:
+  """``HFConfigError`` naming the first of ``fields`` where ``cfg`` differs: a model the
+  family cannot represent is never written as it."""
+  for name, value in fields.items():
+    if getattr(cfg, name) != value:
+      raise HFConfigError(f"{name}={getattr(cfg, name)!r} has no {family} equivalent (needs "
+                          f"{name}={value!r})")
+
+
+def _shared(hf: dict[str, Any]) -> dict[str, Any]:
+  """The fields every family reads alike (sizes, norm eps, tying, plain rotary)."""
+  heads = _number(hf, "num_attention_heads", integer=True)
+  d_model = _number(hf, "hidden_size", integer=True)
+  if not hf.get("head_dim") and d_model % heads:
+    raise HFConfigError(f"config.json field 'hidden_size' {d_model} is not divisible by "
+                        f"'num_attention_heads' {heads} and there is no 'head_dim'")
+  return dict(
+      vocab_size=_number(hf, "vocab_size", integer=True), d_model=d_model, num_heads=heads,
+      num_kv_heads=_number(hf, "num_key_value_heads", heads, integer=True),
+      head_dim=_number(hf, "head_dim", d_model // heads, integer=True),
+      d_ff=_number(hf, "intermediate_size", integer=True),
+      num_layers=_number(hf, "num_hidden_layers", integer=True),
+      max_seq_len=_number(hf, "max_position_embeddings", 2048, integer=True),
+      tie_embeddings=_flag(hf, "tie_word_embeddings", False),
+      norm_eps=_number(hf, "rms_norm_eps", 1e-6, integer=False), **_LLAMA_DEFAULTS)
+
+
+def family_of(hf: dict[str, Any]) -> Family:
+  kind = hf.get("model_type")
+  if kind not in FAMILIES:
+    raise HFConfigError(f"model_type {kind!r} is not supported (expected one of {SUPPORTED})")
+  return FAMILIES[kind]
+
+
+def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
+  """The ``TransformerConfig`` of an HF ``config.json``; ``HFConfigError`` naming the field
+  it cannot honour."""
+  if not isinstance(hf, dict):
+    raise HFConfigError(f"config.json holds a {type(hf).__name__}, not an object of fields")
+  family = family_of(hf)
+  fields = _shared(hf)
+  fields.update(_rope_fields(hf) if family.model_type != "gemma3_text" else {})
+  fields.update(family.read(hf, fields))
+  try:
+    return TransformerConfig(**fields, family=family.name)
+  except ValueError as err:
+    raise HFConfigError(f"{family.model_type} config: {err}") from None
+
+
+def family_for(cfg: TransformerConfig) -> Family:
+  """The family a config is written as: the one it was read from, else (``family``
+  None) Llama, or Qwen2 for q/k/v biases only."""
+  if cfg.family is not None:
+    if cfg.family not in FAMILIES:
+      raise HFConfigError(f"family {cfg.family!r} is not one flax_tp writes ({SUPPORTED})")
+    return FAMILIES[cfg.family]
+  qwen2 = cfg.qkv_bias and not cfg.attn_out_bias and not cfg.mlp_bias
+  return FAMILIES["qwen2" if qwen2 else "llama"]
+
+
+def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
+  """The HF ``config.json`` of ``cfg`` as its family writes it (``HFConfigError`` for a
+  config no family represents)."""
+  family = family_for(cfg)
+  if cfg.norm not in ("rmsnorm", "rmsnorm_offset") or cfg.mlp not in ("swiglu", "geglu"):
+    raise HFConfigError(f"norm={cfg.norm!r}, mlp={cfg.mlp!r} has no HF equivalent (needs "
+                        "norm='rmsnorm', mlp='swiglu' as Llama, or a family's own)")
+  extra = family.write(cfg)
+  if family.model_type not in ("gemma2", "gemma3_text"):
+    _require(cfg, family.model_type, sandwich_norm=False, attn_scale=None, attn_softcap=None,
+             final_softcap=None, rope_local_base=None)
+  if family.model_type not in ("gemma", "gemma2", "gemma3_text"):
+    _require(cfg, family.model_type, embed_scale=False)
+  out = dict(
+      model_type=family.model_type, architectures=[family.architecture],
+      vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+      num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+      max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+      tie_word_embeddings=cfg.tie_embeddings, torch_dtype="float32")
+  if cfg.mlp == "swiglu":
+    out["hidden_act"] = "silu"
+  if family.name is not None:
+    # flax_tp does not keep a checkpoint's special tokens; left unset, transformers would
+    # take its class defaults (Phi-3's 32000: beyond a smaller vocabulary, an error)
+    out.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  if family.model_type != "gemma3_text":
+    out.update(_rope_out(cfg))
+  out.update(extra)
+  return out
+
+
+# -- tensor names ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+  """One tensor of an HF checkpoint: its name, the flax_tp params it holds (one, or
+  several fused along its first dim with ``sizes`` rows each), and whether it is stored
+  transposed (HF's ``[out, in]`` against flax's ``kernel [in, out]``)."""
+
+  name: str
+  paths: tuple[tuple, ...]
+  transposed: bool
+  sizes: tuple[int, ...] | None = None
+
+
+_ATTENTION = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"))
+_MLP_IN = (("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"))
+
+
+def tensor_names(cfg: TransformerConfig) -> Iterator[HFTensor]:
+  """Every tensor of ``cfg``'s HF checkpoint, in its family's names."""
+  fused = family_for(cfg).fused
+  yield HFTensor("model.embed_tokens.weight", (("embed", "embedding"),), False)
+  q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+  norms = ([("ln1", "input_layernorm"), ("ln_attn_out", "post_attention_layernorm"),
+            ("ln2", "pre_feedforward_layernorm"), ("ln_mlp_out", "post_feedforward_layernorm")]
+           if cfg.sandwich_norm else
+           [("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm")])
+  for i in range(cfg.num_layers):
+    layer = f"model.layers.{i}"
+    at = lambda *p, i=i: ("blocks", i, *p)
+    groups = []  # (our names, HF name, group, bias, row sizes when fused)
+    if fused:
+      groups.append((("q", "k", "v"), "self_attn.qkv_proj", "attn", cfg.qkv_bias,
+                     (q_rows, kv_rows, kv_rows)))
+    else:
+      groups += [((ours,), hf, "attn", cfg.qkv_bias, None) for ours, hf in _ATTENTION]
+    groups.append((("o",), "self_attn.o_proj", "attn", cfg.attn_out_bias, None))
+    if cfg.mlp in ("swiglu", "geglu"):
+      if fused:
+        groups.append((("gate", "up"), "mlp.gate_up_proj", "mlp", cfg.mlp_bias,
+                       (cfg.d_ff, cfg.d_ff)))
+      else:
+        groups += [((ours,), hf, "mlp", cfg.mlp_bias, None) for ours, hf in _MLP_IN]
+    groups.append((("down",), "mlp.down_proj", "mlp", cfg.mlp_bias, None))
+    for ours, hf, group, bias, sizes in groups:
+      yield HFTensor(f"{layer}.{hf}.weight", tuple(at(group, n, "kernel") for n in ours), True,
+                     sizes)
+      if bias:
+        yield HFTensor(f"{layer}.{hf}.bias", tuple(at(group, n, "bias") for n in ours), False,
+                       sizes)
+    if cfg.qk_norm:
+      for ours in ("q_norm", "k_norm"):
+        yield HFTensor(f"{layer}.self_attn.{ours}.weight", (at("attn", ours, "scale"),), False)
+    for ours, hf in norms:
+      yield HFTensor(f"{layer}.{hf}.weight", (at(ours, "scale"),), False)
+  yield HFTensor("model.norm.weight", (("ln_f", "scale"),), False)
+  if not cfg.tie_embeddings:
+    yield HFTensor("lm_head.weight", (("head", "kernel"),), True)

@@ -1,0 +1,257 @@
+"""The HF families beyond Llama 2 / Qwen2 (models/families.py) against transformers itself.
+
+Fixtures written by transformers (tests/fixtures/hf/make_fixtures.py): Llama 3.1-style
+rope, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3 and Phi-3, every norm weight and bias
+perturbed, sliding windows shorter than the sequence. For each family, on 1x1, 1x3,
+2x4 and 1x8 (one mesh per family in the fast lane, the others in the slow lane):
+logits, the loss and every gradient, and greedy generation through the KV cache past
+the window equal transformers'.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.config import FULL, SLIDING, RopeScaling, TransformerConfig
+from models.execution import Execution
+from models.families import HFConfigError, config_from_hf
+from models.generate import generate
+from models.hf import load_hf, read_config, save_hf
+from train.step import Trainer, make_optimizer
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+FAMILIES = ["llama3", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"]
+MESHES = ["1x1", "1x3", "2x4", "1x8"]
+# The fast lane runs each family on one mesh (each mesh at least once); the slow the rest.
+FAST = {name: MESHES[i % len(MESHES)] for i, name in enumerate(FAMILIES)}
+CASES = [pytest.param(name, mesh, marks=() if FAST[name] == mesh else pytest.mark.slow,
+                      id=f"{name}-{mesh}") for name in FAMILIES for mesh in MESHES]
+
+
+def check_against_fixture(model, name, *, batch_one=False):
+  """Logits, loss and every gradient as transformers computed them; greedy generation
+  of two prompts of different lengths in one batch (and, ``batch_one``, the first alone)."""
+  from models.hf import to_hf_state_dict
+  expected = np.load(FIXTURES / name / "expected.npz")
+  ids = expected["ids"]
+  logits = jax.jit(lambda t: model(t))(jnp.asarray(ids, jnp.int32))
+  np.testing.assert_allclose(logits, expected["logits"], rtol=1e-5, atol=1e-5)
+  trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
+  tokens = jax.device_put(jnp.asarray(ids, jnp.int32), trainer.batch_sharding)
+  loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
+  np.testing.assert_allclose(loss, expected["loss"], rtol=1e-6)
+  grads = to_hf_state_dict(grads, model.cfg)
+  theirs = {k[len("grad:"):]: expected[k] for k in expected.files if k.startswith("grad:")}
+  assert set(grads) == set(theirs) - ({"lm_head.weight"} if model.cfg.tie_embeddings
+                                      else set())
+  for key, value in grads.items():
+    np.testing.assert_allclose(value, theirs[key], rtol=1e-4, atol=1e-6, err_msg=key)
+  generated = np.load(FIXTURES / name / "generate.npz")
+  eos = int(generated["eos_id"])
+  eos = None if eos < 0 else eos
+  out = generate(model, ids, lengths=generated["lengths"], max_new_tokens=16, eos_id=eos)
+  np.testing.assert_array_equal(out, generated["ids"])
+  if batch_one:
+    n = int(generated["lengths"][0])
+    alone = generate(model, ids[:1, :n], max_new_tokens=16, eos_id=eos)
+    np.testing.assert_array_equal(alone, generated["ids"][:1])
+
+
+@pytest.mark.parametrize("name,mesh_spec", CASES)
+def test_family_equals_transformers(meshes, name, mesh_spec):
+  model = load_hf(FIXTURES / name, meshes[mesh_spec])
+  assert model.cfg.family == (None if name == "llama3" else name)
+  check_against_fixture(model, name, batch_one=FAST[name] == mesh_spec)
+
+
+@pytest.mark.parametrize("name,mesh_spec,execution", [
+    # mixed sliding/full layers under one scan (the layer's kind is a traced index),
+    # sequence parallelism over 4 with its all-gathers, FSDP over the data axis
+    ("gemma3_text", "2x4", Execution(scan_layers=True, sequence_parallel=True, fsdp=True,
+                                     remat="block")),
+    ("gemma2", "1x3", Execution(sequence_parallel=True, remat="dots_saveable")),
+    ("phi3", "2x4", Execution(scan_layers=True, fsdp=True)),
+    ("mistral", "1x8", Execution(sequence_parallel=True, scan_layers=True)),
+])
+def test_family_under_every_execution_option(meshes, name, mesh_spec, execution):
+  model = load_hf(FIXTURES / name, meshes[mesh_spec], execution=execution)
+  check_against_fixture(model, name)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_save_hf_writes_back_what_transformers_wrote(tmp_path, meshes, name):
+  """Every tensor as it was (Phi-3's fused ones fused again, from their split parts),
+  and a config.json that reads back to the same model."""
+  from safetensors.numpy import load_file
+  model = load_hf(FIXTURES / name, meshes["2x4"],
+                  execution=Execution(scan_layers=name in ("gemma2", "phi3")))
+  save_hf(model, tmp_path)
+  original = load_file(FIXTURES / name / "model.safetensors")
+  written = load_file(tmp_path / "model.safetensors")
+  assert set(written) == set(original) - ({"lm_head.weight"} if model.cfg.tie_embeddings
+                                          else set())
+  for key, value in written.items():
+    np.testing.assert_array_equal(value, original[key], err_msg=key)
+  again = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+  assert again == model.cfg
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_saved_folder_loads_in_transformers_to_the_same_logits(tmp_path, meshes, name):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  model = load_hf(FIXTURES / name, meshes["1x3"])
+  save_hf(model, tmp_path)
+  expected = np.load(FIXTURES / name / "expected.npz")
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  assert type(theirs).__name__ == json.loads((FIXTURES / name / "config.json").read_text())[
+      "architectures"][0]
+  with torch.no_grad():
+    logits = theirs(torch.as_tensor(expected["ids"])).logits.numpy()
+  np.testing.assert_allclose(logits, expected["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,change", [
+    ("llama3", dict(rope_scaling=None)),
+    ("qwen3", dict(qk_norm=False)),
+    ("qwen3", dict(rope_scaling=None)),
+    ("mistral", dict(sliding_window=8)),
+    ("gemma", dict(embed_scale=False)),
+    ("gemma2", dict(attn_softcap=None)),
+    ("gemma2", dict(final_softcap=None)),
+    ("gemma2", dict(attn_scale=None)),
+    ("gemma3_text", dict(rope_local_base=None)),
+    ("phi3", dict(rotary_fraction=1.0)),
+])
+def test_each_fixture_tells_its_mechanism_apart(meshes, name, change):
+  """Without the mechanism (or with another window) the logits are not transformers':
+  the fixtures can fail the tests above."""
+  model = load_hf(FIXTURES / name, meshes["1x1"], **change)
+  expected = np.load(FIXTURES / name / "expected.npz")
+  logits = np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(expected["ids"], jnp.int32)))
+  assert np.max(np.abs(logits - expected["logits"])) > 1e-3
+
+
+# -- strict loading --------------------------------------------------------------------------
+
+def _copy(name, folder):
+  shutil.copytree(FIXTURES / name, folder)
+  return folder
+
+
+@pytest.mark.parametrize("name,how,named", [
+    ("phi3", "extra", "model.layers.0.self_attn.q_proj.weight"),
+    ("phi3", "missing", "model.layers.1.mlp.gate_up_proj.weight"),
+    ("gemma2", "missing", "model.layers.0.post_feedforward_layernorm.weight"),
+    ("qwen3", "missing", "model.layers.1.self_attn.k_norm.weight"),
+    ("gemma3_text", "extra", "model.layers.0.self_attn.q_norm.bias"),
+])
+def test_a_tampered_checkpoint_is_refused_naming_the_tensor(tmp_path, meshes, name, how, named):
+  from safetensors.numpy import load_file, save_file
+  folder = _copy(name, tmp_path / "m")
+  tensors = load_file(folder / "model.safetensors")
+  if how == "extra":
+    tensors[named] = np.zeros((2, 2), np.float32)
+  else:
+    del tensors[named]
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(HFConfigError) as err:
+    load_hf(folder, meshes["1x2"])
+  assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path, meshes):
+  from safetensors.numpy import load_file, save_file
+  folder = _copy("phi3", tmp_path / "m")
+  tensors = load_file(folder / "model.safetensors")
+  name = "model.layers.0.self_attn.qkv_proj.weight"
+  tensors[name] = tensors[name][:-8]
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(HFConfigError, match=f"{name}.*rows"):
+    load_hf(folder, meshes["1x2"])
+
+
+def _config(name):
+  return json.loads((FIXTURES / name / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name,change,field", [
+    ("llama3", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                    "rope_theta": 1e4}}, "rope_type 'dynamic'"),
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                  "short_factor": [1.0], "long_factor": [1.0]}},
+     "rope_type 'longrope'"),
+    ("llama3", {"rope_parameters": None, "rope_scaling": {"type": "su"}}, "rope_type 'su'"),
+    ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention"]},
+     "layer_types 'chunked_attention'"),
+    ("gemma3_text", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}, "sliding_attention"),
+    ("mistral", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ("qwen3", {"model_type": "qwen3_moe"}, "model_type 'qwen3_moe'"),
+])
+def test_configs_it_cannot_honour_are_named(name, change, field):
+  with pytest.raises(HFConfigError, match=field):
+    config_from_hf({**_config(name), **change})
+
+
+def test_legacy_and_transformers_5_rope_fields_read_alike():
+  """Llama 3.1's ``rope_scaling`` + ``rope_theta`` (transformers 4) and its
+  ``rope_parameters`` (5) are one config; Gemma 3's legacy ``rope_local_base_freq`` and
+  ``rope_scaling`` are its nested ``rope_parameters``; Qwen2's ``use_sliding_window``
+  places its window from ``max_window_layers`` on."""
+  v5 = _config("llama3")
+  rope = dict(v5.pop("rope_parameters"))
+  v4 = {**v5, "rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}
+  assert config_from_hf(v4) == config_from_hf(_config("llama3"))
+  scaling = config_from_hf(v4).rope_scaling
+  assert scaling == RopeScaling("llama3", 8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_len=64)
+  g3 = _config("gemma3_text")
+  legacy = {**g3, "rope_parameters": None, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+  assert config_from_hf(legacy) == config_from_hf(g3)
+  assert config_from_hf(g3).rope_local_base == 1e4
+  qwen2 = json.loads((FIXTURES / "qwen2" / "config.json").read_text())
+  slid = config_from_hf({**qwen2, "use_sliding_window": True, "sliding_window": 3,
+                         "max_window_layers": 1, "layer_types": None})
+  assert slid.layer_types == (FULL, SLIDING) and slid.sliding_window == 3
+  off = config_from_hf({**qwen2, "use_sliding_window": False, "sliding_window": 3,
+                        "layer_types": [SLIDING, SLIDING]})
+  assert off.layer_types is None and off.sliding_window is None  # as transformers: no window
+
+
+def test_yarn_attention_factor_follows_transformers():
+  """yarn's cos/sin factor: given, or 0.1 ln(factor) + 1, or from mscale/mscale_all_dim."""
+  import math
+  base = _config("qwen3")
+  rope = base["rope_parameters"]
+  assert config_from_hf(base).rope_scaling.attention_factor == pytest.approx(
+      0.1 * math.log(4.0) + 1)
+  given = config_from_hf({**base, "rope_parameters": {**rope, "attention_factor": 0.7}})
+  assert given.rope_scaling.attention_factor == 0.7
+  ms = config_from_hf({**base, "rope_parameters": {**rope, "mscale": 2.0,
+                                                   "mscale_all_dim": 1.0}})
+  assert ms.rope_scaling.attention_factor == pytest.approx(
+      (0.2 * math.log(4.0) + 1) / (0.1 * math.log(4.0) + 1))
+
+
+def test_old_identity_is_unchanged_and_new_fields_round_trip():
+  """A config without the families' fields has the identity it had before them (so its
+  runs resume); one with them reads back from its JSON form."""
+  before = {"vocab_size", "d_model", "num_heads", "head_dim", "d_ff", "num_layers",
+            "max_seq_len", "tie_embeddings", "dropout", "dtype", "rope_base", "norm_eps",
+            "norm", "mlp", "num_kv_heads", "qkv_bias", "attn_out_bias", "mlp_bias"}
+  assert set(TransformerConfig.tiny().identity()) == before
+  for name in FAMILIES:
+    cfg = read_config(FIXTURES / name)
+    identity = json.loads(json.dumps(cfg.identity()))
+    assert TransformerConfig.from_identity(identity) == cfg
