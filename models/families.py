@@ -508,21 +508,22 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
              final_softcap=None, rope_local_base=None)
   if family.model_type not in ("gemma", "gemma2", "gemma3_text"):
     _require(cfg, family.model_type, embed_scale=False)
+  # (Llama's and Qwen2's fields in the order they were always written: same bytes)
   out = dict(
       model_type=family.model_type, architectures=[family.architecture],
       vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-      num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-      max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-      tie_word_embeddings=cfg.tie_embeddings, torch_dtype="float32")
+      num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim)
   if cfg.mlp == "swiglu":
     out["hidden_act"] = "silu"
+  out.update(max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps)
+  if family.model_type != "gemma3_text":
+    out.update(_rope_out(cfg))
+  out.update(tie_word_embeddings=cfg.tie_embeddings, torch_dtype="float32")
   if family.name is not None:
     # flax_tp does not keep a checkpoint's special tokens; left unset, transformers would
     # take its class defaults (Phi-3's 32000: beyond a smaller vocabulary, an error)
     out.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-  if family.model_type != "gemma3_text":
-    out.update(_rope_out(cfg))
   out.update(extra)
   return out
 
