@@ -255,3 +255,59 @@ def test_old_identity_is_unchanged_and_new_fields_round_trip():
     cfg = read_config(FIXTURES / name)
     identity = json.loads(json.dumps(cfg.identity()))
     assert TransformerConfig.from_identity(identity) == cfg
+
+
+# -- from the CLI, as a new user runs it -----------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3_text", "phi3"])
+def test_a_family_fine_tunes_resumes_on_another_mesh_and_generates(tmp_path, name, capsys):
+  """``train/run.py --init-from`` a family's folder (its own tokenizer.json) on 2x4 with
+  every execution option, resumed on 1x8 from a copied checkpoint, then
+  ``train/generate.py`` from the checkpoint and ``--hf`` from the folder."""
+  import dataclasses
+
+  from flax import nnx
+  from helpers import write_small_corpus
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  import flax_tp
+  from models.transformer import Transformer
+  from train import generate as cli
+  from train.run import main
+  corpus = write_small_corpus(tmp_path / "corpus.py")
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.train([corpus], trainers.BpeTrainer(
+      vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  cfg = dataclasses.replace(read_config(FIXTURES / name),
+                            vocab_size=tokenizer.get_vocab_size() + 3, max_seq_len=32)
+  folder = tmp_path / "model"
+  save_hf(Transformer(cfg, mesh=flax_tp.make_mesh("1x1"), rngs=nnx.Rngs(3)), folder)
+  tokenizer.save(str(folder / "tokenizer.json"))
+  ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+  flags = ["--init-from", str(folder), "--batch-size", "8", "--seq-len", "16", "--steps", "6",
+           "--lr", "1e-2", "--warmup-steps", "1", "--eval-every", "0", "--sample-length", "4",
+           "--data", corpus]
+  assert main([*flags, "--mesh", "2x4", "--sequence-parallel", "--remat", "block",
+               "--scan-layers", "--fsdp", "--checkpoint-dir", str(ck), "--checkpoint-every",
+               "3", "--metrics-file", str(metrics)]) == 0
+  losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+  assert len(losses) == 6 and losses[-1] < losses[0]
+  moved = tmp_path / "moved"
+  moved.mkdir()
+  shutil.copytree(ck / "3", moved / "3")
+  resumed = tmp_path / "r.jsonl"
+  assert main([*flags, "--mesh", "1x8", "--resume", "--checkpoint-dir", str(moved),
+               "--metrics-file", str(resumed)]) == 0
+  again = [r["loss"] for r in map(json.loads, resumed.read_text().splitlines()) if "loss" in r]
+  np.testing.assert_allclose(again[0], losses[3], rtol=1e-5)
+  capsys.readouterr()
+  assert cli.main(["--checkpoint", str(moved), "--mesh", "1x3", "--prompt", "def f(",
+                   "--max-new-tokens", "5"]) == 0
+  out = capsys.readouterr()
+  assert out.out.startswith("def f(") and "5 tokens on mesh 1x3" in out.err
+  assert cli.main(["--hf", str(folder), "--mesh", "2x4", "--prompt", "def f(",
+                   "--max-new-tokens", "5"]) == 0
+  assert capsys.readouterr().out.startswith("def f(")

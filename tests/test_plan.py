@@ -2,6 +2,7 @@
 
 import math
 from collections import Counter
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -313,18 +314,25 @@ def test_explain_plan_shows_shapes_padding_and_collectives(meshes):
 EVEN = dict(num_heads=8, num_kv_heads=4, d_ff=96, vocab_size=256, tie_embeddings=True)
 
 
-@pytest.mark.parametrize("mesh_spec,sizes", [("2x4", EVEN), ("1x3", dict(tie_embeddings=False))])
+@pytest.mark.parametrize("mesh_spec,sizes", [("2x4", EVEN), ("1x3", dict(tie_embeddings=False)),
+                                            ("1x3", "gemma3_text")])
 def test_the_reference_transformer_parallelized_equals_flax_tps(meshes, mesh_spec, sizes):
-  """models/reference.py (Llama-style: GQA, SwiGLU, RMSNorm) parallelized with plan=None:
-  q/k/v -> o and gate/up -> down are paired, whole heads; its logits and gradients equal
-  the plain model's, and its logits equal models/transformer.py's from the same seed.
+  """models/reference.py (Llama-style: GQA, SwiGLU, RMSNorm; or Gemma 3's: q/k norms,
+  sliding and full layers, four (1 + w) norms per block, GeGLU) parallelized with
+  plan=None: q/k/v -> o and gate/up -> down are paired, whole heads; its logits and
+  gradients equal the plain model's, and its logits equal models/transformer.py's from
+  the same seed.
   With even sizes its compiled gradient step moves what models/transformer.py's does:
   the same collectives, plus the one [b, s] sum the plain loss's backward needs."""
   from models.config import TransformerConfig
   from models.reference import ReferenceTransformer, reference_loss
   from models.transformer import Transformer
   from train.step import Trainer
-  cfg = TransformerConfig.preset("llama-tiny", **sizes)
+  if isinstance(sizes, str):  # a family's config (tests/fixtures/hf), not its weights
+    from models.hf import read_config
+    cfg = read_config(Path(__file__).resolve().parent / "fixtures" / "hf" / sizes)
+  else:
+    cfg = TransformerConfig.preset("llama-tiny", **sizes)
   mesh = meshes[mesh_spec]
   tokens = jax.random.randint(jax.random.key(2), (4, 9), 0, cfg.vocab_size)
   tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(

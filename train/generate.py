@@ -136,7 +136,7 @@ def load_from_checkpoint(args, mesh):
   if args.dtype:
     config["dtype"] = args.dtype
   try:
-    cfg = TransformerConfig(**config)
+    cfg = TransformerConfig.from_identity(config)
   except (TypeError, ValueError) as err:
     raise UsageError(f"--checkpoint {args.checkpoint!r}: bad model config: {err}") from None
   name = run.get("tokenizer", "bytes")

@@ -79,9 +79,9 @@ def resume_point(job: Job, checkpointer: Checkpointer,
     identity = {k: identity[k] for k in saved}
     notes.append("note: a checkpoint of flax_tp 0.1.0; only the model, seed, batch size and "
                  "sequence length could be checked against this run")
-  if isinstance(saved.get("config"), dict):  # fields added since: their defaults
-    defaults = TransformerConfig().identity()
-    saved = {**saved, "config": {k: saved["config"].get(k, defaults[k]) for k in defaults}}
+  if isinstance(saved.get("config"), dict):  # fields added since: their defaults (those
+    # of the families are left out of an identity at their defaults, here and there)
+    saved = {**saved, "config": {**TransformerConfig().identity(), **saved["config"]}}
   differences = _differences(saved, identity)
   if differences:
     raise UsageError(
