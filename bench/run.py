@@ -70,8 +70,12 @@ def megatron_minimum(cfg, data: int, model: int, batch: int, seq: int,
   (attention and MLP outputs) and 2 backward (their inputs' gradients); the
   embedding's forward all-reduce and the tied LM head's input-gradient
   all-reduce, both [b, s, d]; the loss's 3 [b, s] float32 reductions (max, sum
-  of exps, target logit). Over "data": one all-reduce of the local gradient
-  bytes (plus the 4-byte loss).
+  of exps, target logit). With per-head q/k norms (Qwen3, Gemma 3), each device
+  holds the norms' weights whole but norms only its own heads: their two
+  ``[head_dim]`` float32 gradients per block are all-reduced over "model" too (as
+  Megatron-core all-reduces its qk-layernorm gradients over the tensor-parallel
+  group). Over "data": one all-reduce of the local gradient bytes (plus the
+  4-byte loss).
   """
   b = batch // data
   act = b * seq * cfg.d_model * cfg.compute_dtype.itemsize
@@ -79,6 +83,9 @@ def megatron_minimum(cfg, data: int, model: int, batch: int, seq: int,
   if model > 1:
     count += 4 * cfg.num_layers + 2 + 3
     nbytes += (4 * cfg.num_layers + 2) * act + 3 * b * seq * 4
+    if getattr(cfg, "qk_norm", False):
+      count += 2 * cfg.num_layers
+      nbytes += 2 * cfg.num_layers * cfg.head_dim * 4
   if data > 1:
     count += 1
     nbytes += local_param_bytes + 4

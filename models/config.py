@@ -262,4 +262,28 @@ PRESETS: dict[str, dict] = {
     "llama-350m": dict(vocab_size=32000, d_model=1024, num_heads=16, num_kv_heads=4,
                        head_dim=64, d_ff=2816, num_layers=24, max_seq_len=1024,
                        tie_embeddings=False, **_LLAMA),
+    # The shapes of released checkpoints (no weights: benchmarks and memory figures
+    # compile them from abstract shapes; load_hf reads the checkpoints themselves).
+    # meta-llama/Llama-3.2-1B: llama3 rope (factor 32 over 8192 positions), tied head.
+    "llama3.2-1b": dict(vocab_size=128256, d_model=2048, num_heads=32, num_kv_heads=8,
+                        head_dim=64, d_ff=8192, num_layers=16, max_seq_len=2048,
+                        tie_embeddings=True, **{**_LLAMA, "rope_base": 500_000.0},
+                        rope_scaling=RopeScaling("llama3", 32.0, low_freq_factor=1.0,
+                                                 high_freq_factor=4.0,
+                                                 original_max_len=8192)),
+    # Qwen/Qwen3-0.6B: q/k norms, head_dim 128 (not 1024 / 16), tied head.
+    "qwen3-0.6b": dict(vocab_size=151936, d_model=1024, num_heads=16, num_kv_heads=8,
+                       head_dim=128, d_ff=3072, num_layers=28, max_seq_len=2048,
+                       tie_embeddings=True, qk_norm=True, family="qwen3",
+                       **{**_LLAMA, "rope_base": 1_000_000.0, "norm_eps": 1e-6}),
+    # google/gemma-3-1b-pt: 4 query heads of 256 over 1 kv head, 5 sliding layers (window
+    # 512, base 10000) per full one (base 1e6), four (1 + w) norms per block.
+    "gemma3-1b": dict(vocab_size=262144, d_model=1152, num_heads=4, num_kv_heads=1,
+                      head_dim=256, d_ff=6912, num_layers=26, max_seq_len=2048,
+                      tie_embeddings=True, norm="rmsnorm_offset", mlp="geglu",
+                      qkv_bias=False, attn_out_bias=False, mlp_bias=False, norm_eps=1e-6,
+                      rope_base=1_000_000.0, rope_local_base=10_000.0, qk_norm=True,
+                      embed_scale=True, attn_scale=256 ** -0.5, sandwich_norm=True,
+                      sliding_window=512, family="gemma3_text",
+                      layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(26))),
 }
