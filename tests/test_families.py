@@ -311,3 +311,40 @@ def test_a_family_fine_tunes_resumes_on_another_mesh_and_generates(tmp_path, nam
   assert cli.main(["--hf", str(folder), "--mesh", "2x4", "--prompt", "def f(",
                    "--max-new-tokens", "5"]) == 0
   assert capsys.readouterr().out.startswith("def f(")
+
+
+def test_llama3_and_gemma_style_tokenizers_round_trip(tmp_path):
+  """The two tokenizer.json kinds of these families, through HF's ``tokenizers`` as the
+  CLI reads them: Llama 3's tiktoken-style regex split before byte-level BPE, and
+  Gemma's SentencePiece-style BPE (``▁`` for spaces, byte-fallback tokens ``<0xNN>`` for
+  what its vocabulary lacks). Text they never saw comes back byte for byte."""
+  from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+  from train.data import HFTokenizer
+  text = "def f(x) = 'λ→😀'\n\ty  # naïve"
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("def f(x):\n    return x\n" * 20)
+  split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+           r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+  llama3 = Tokenizer(models.BPE())
+  llama3.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(split), behavior="isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  llama3.decoder = decoders.ByteLevel()
+  llama3.train([str(corpus)], trainers.BpeTrainer(
+      vocab_size=290, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      special_tokens=["<|begin_of_text|>"]))
+  specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+  pieces = specials + [f"<0x{i:02X}>" for i in range(256)] + sorted(set("def(x):\nrtun▁"))
+  gemma = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces + ["de", "def"])},
+                               merges=[("d", "e"), ("de", "f")], byte_fallback=True,
+                               fuse_unk=True, unk_token="<unk>"))
+  gemma.normalizer = normalizers.Replace(" ", "▁")
+  gemma.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+  gemma.add_special_tokens(specials)
+  for name, tokenizer in (("llama3", llama3), ("gemma", gemma)):
+    tokenizer.save(str(tmp_path / f"{name}.json"))
+    ours = HFTokenizer(tmp_path / f"{name}.json")
+    ids = ours.encode(text.encode())
+    assert 0 < len(ids) < len(text.encode()) and ours.decode(ids) == text, name
