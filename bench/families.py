@@ -49,8 +49,6 @@ def local_bytes(tree) -> int:
 
 
 def measure(preset: str, spec: str, batch: int, seq: int) -> dict:
-  import jax
-
   import flax_tp
   from bench.memory import abstract_step
   from bench.run import megatron_minimum
@@ -69,14 +67,16 @@ def measure(preset: str, spec: str, batch: int, seq: int) -> dict:
   minimum = megatron_minimum(cfg, mesh.shape["data"], mesh.shape["model"], batch, seq,
                              local_bytes(keep["params"]))
   others = {k: v for k, v in rows.items() if k not in ("all-reduce@model", "all-reduce@data")}
-  logical = sum(math.prod(x.shape) for x in jax.tree.leaves(keep["params"]))
+  from bench.harness import param_count
+  logical = param_count(cfg)  # (the stored params hold padding too)
   return dict(
       preset=preset, mesh=spec, params=logical, compile_s=round(seconds, 1),
       param_and_adam_bytes=local_bytes(keep["params"]) + local_bytes(keep["opt_state"]),
       temp_bytes=stats.temp_size_in_bytes, collectives_measured=measured,
       collectives_minimum=minimum,
       bytes_ratio=measured["bytes"] / minimum["bytes"] if minimum["bytes"] else None,
-      model_scalars=model.get("scalars", 0), other_collectives=others)
+      model_scalars=model.get("scalars", 0), data_ops=data.get("ops", 0),
+      other_collectives=others)
 
 
 def main(argv=None) -> int:

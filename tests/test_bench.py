@@ -120,7 +120,27 @@ def test_plan_bench_smoke(tmp_path):
   assert entry["parallelized"]["step_s"] > 0 and entry["flax_tp"]["step_s"] > 0
 
 
-@pytest.mark.parametrize("module", ["run", "plan", "decode", "memory", "mfu"])
+def test_families_bench_smoke(tmp_path):
+  """2 kv heads copied over 4 and 8 devices: exactly Megatron's minimum plus the
+  kv-gradient sum (BENCHMARKS §8: per block the k and v kernels, each plus one padding
+  slot), nothing else."""
+  from bench.families import main as families_main
+  from models.config import TransformerConfig
+  out = tmp_path / "families.json"
+  assert families_main(["--presets", "llama-tiny", "--meshes", "2x4,1x8", "--seq", "16",
+                        "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["mesh"] for r in rows] == ["2x4", "1x8"]
+  cfg = TransformerConfig.preset("llama-tiny")
+  for row in rows:
+    assert row["params"] > 0 and row["param_and_adam_bytes"] > 0 and row["temp_bytes"] > 0
+    assert not row["other_collectives"]
+    # 2 kv heads over 4 or 8 devices are copied: each block adds its k and v sums
+    excess = row["collectives_measured"]["bytes"] - row["collectives_minimum"]["bytes"]
+    assert excess == cfg.num_layers * 2 * cfg.d_model * (cfg.kv_heads * cfg.head_dim + 1) * 4
+
+
+@pytest.mark.parametrize("module", ["run", "plan", "decode", "memory", "mfu", "families"])
 def test_bench_refuses_an_unwritable_out_before_running(module, tmp_path, capsys):
   import importlib
   bench_main = importlib.import_module(f"bench.{module}").main
