@@ -39,12 +39,6 @@ __all__ = ["SUPPORTED", "HFConfigError", "config_from_hf", "config_to_hf", "load
            "read_config", "save_hf", "to_hf_state_dict"]
 
 
-def _names(cfg: TransformerConfig):
-  """Every HF tensor of ``cfg`` (``models.families.HFTensor``): its name, the flax_tp
-  params it holds, transposed or not, and (fused) each param's rows."""
-  return tensor_names(cfg)
-
-
 def _at(state: nnx.State, path: tuple) -> Any:
   node = state
   for part in path:
@@ -57,7 +51,7 @@ def to_hf_state_dict(state: nnx.State, cfg: TransformerConfig) -> dict[str, np.n
   ``Transformer`` with config ``cfg``."""
   logical = flax_tp.unshard(state)
   out = {}
-  for tensor in _names(cfg):
+  for tensor in tensor_names(cfg):
     parts = [np.asarray(_at(logical, path)[...]) for path in tensor.paths]
     value = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]  # fused: rows
     out[tensor.name] = np.ascontiguousarray(value.T if tensor.transposed else value)
@@ -176,7 +170,7 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
              for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
              for layer, layer_path in enumerate(per_layer_paths(path, var))}
   used = set()
-  for tensor in _names(cfg):
+  for tensor in tensor_names(cfg):
     value = tensors.get(tensor.name)
     if tensor.sizes is not None:  # fused rows: each part's, in order
       if value.shape[0] != sum(tensor.sizes):

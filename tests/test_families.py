@@ -119,7 +119,6 @@ def test_saved_folder_loads_in_transformers_to_the_same_logits(tmp_path, meshes,
 @pytest.mark.slow
 @pytest.mark.parametrize("name,change", [
     ("llama3", dict(rope_scaling=None)),
-    ("qwen3", dict(qk_norm=False)),
     ("qwen3", dict(rope_scaling=None)),
     ("mistral", dict(sliding_window=8)),
     ("gemma", dict(embed_scale=False)),
