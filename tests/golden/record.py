@@ -2,6 +2,8 @@
 
     python tests/golden/record.py            # (re)writes tests/golden/main.json
     python tests/golden/record.py --check    # compares, prints each difference
+    python tests/golden/record.py --update help   # re-records one structure section
+                                                  # after a change meant to move it
 
 ``structure()`` is what the code decides (param paths, the compiled train step's
 collectives, ``--help`` of every entry point): the same on any machine.
@@ -172,6 +174,16 @@ def differences(want, got, where="") -> list[str]:
 if __name__ == "__main__":
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   sys.path.insert(0, str(ROOT))
+  if "--update" in sys.argv:  # one intended change (e.g. a new preset in --help)
+    section = sys.argv[sys.argv.index("--update") + 1]
+    sections = {"help": help_texts}
+    if section not in sections:
+      sys.exit(f"--update: expected one of {tuple(sections)}, got {section!r}")
+    golden = json.loads(GOLDEN.read_text())
+    golden["structure"][section] = sections[section]()
+    GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    print(f"re-recorded structure/{section} in {GOLDEN}")
+    sys.exit(0)
   got = {"structure": structure(), "numerics": numerics()}
   if "--check" in sys.argv:
     found = differences(json.loads(GOLDEN.read_text()), got)
