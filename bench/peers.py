@@ -7,6 +7,13 @@
 - ``gspmd_fused``: the same with one fused q/k/v projection per block, laid out
   per kv head as ``[q heads of its group | k | v]`` so that splitting its outputs
   over the model axis splits whole groups (what a GPT written for GSPMD does).
+- ``gpt``: an independent GPT written as Flax's docs teach GSPMD, sharing no code
+  with flax_tp's models: plain NNX layers whose initializers carry Megatron specs
+  (``nnx.with_partitioning``), one fused q/k/v projection laid out per head
+  (``[heads, 3, head_dim]``, so splitting its outputs splits whole heads), rotary
+  positions (so it computes what flax_tp's model computes), a tied head, optax's
+  cross-entropy, a mesh of ``Auto`` axes, one ``jax.jit``. Multi-head only (the GPT
+  family): GELU MLP, LayerNorm, biases, as the ``small`` preset.
 - ``data_parallel``: the reference model replicated, batch split over all devices.
 - ``single``: the reference model on one device, plain ``jax.jit``.
 """
@@ -143,6 +150,86 @@ class Peer:
 
   def state(self) -> tuple[Any, Any]:
     return self.params, self.opt_state
+
+
+class GPTBlock(nnx.Module):
+  def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    kernel, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
+    column = dict(kernel_init=nnx.with_partitioning(kernel, (None, "model")),
+                  bias_init=nnx.with_partitioning(zeros, ("model",)), rngs=rngs)
+    row = dict(kernel_init=nnx.with_partitioning(kernel, ("model", None)), rngs=rngs)
+    d, heads, hd = cfg.d_model, cfg.num_heads, cfg.head_dim
+    self.ln1 = nnx.LayerNorm(d, epsilon=cfg.norm_eps, rngs=rngs)
+    self.qkv = nnx.Linear(d, heads * 3 * hd, **column)  # per head: its q, k, v
+    self.o = nnx.Linear(heads * hd, d, **row)
+    self.ln2 = nnx.LayerNorm(d, epsilon=cfg.norm_eps, rngs=rngs)
+    self.up = nnx.Linear(d, cfg.d_ff, **column)
+    self.down = nnx.Linear(cfg.d_ff, d, **row)
+    self.cfg = cfg
+
+  def __call__(self, x_bsd):
+    cfg = self.cfg
+    b, s, _ = x_bsd.shape
+    qkv = self.qkv(self.ln1(x_bsd)).reshape(b, s, cfg.num_heads, 3, cfg.head_dim)
+    q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+    q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
+    attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    x_bsd = x_bsd + self.o(attn.reshape(b, s, -1))
+    return x_bsd + self.down(jax.nn.gelu(self.up(self.ln2(x_bsd))))
+
+
+class GPT(nnx.Module):
+  """tokens ``[b, s]`` -> logits ``[b, s, vocab]``; see ``gpt`` in the module docstring."""
+
+  def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    if cfg.kv_heads != cfg.num_heads or cfg.mlp != "gelu" or cfg.norm != "layernorm":
+      raise ValueError("the GPT peer is multi-head with a GELU MLP and LayerNorm (the "
+                       "'tiny' / 'small' presets)")
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nnx.with_partitioning(
+        nnx.initializers.normal(1.0), ("model", None)), rngs=rngs)
+    self.blocks = nnx.List([GPTBlock(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+
+  def __call__(self, tokens_bs):
+    x = self.embed(tokens_bs)
+    for block in self.blocks:
+      x = block(x)
+    return self.embed.attend(self.ln_f(x))
+
+
+class GPTPeer:
+  """``gpt``'s compiled step, params, optimizer state and batch sharding (as ``Peer``)."""
+
+  name = "gpt"
+
+  def __init__(self, cfg: TransformerConfig, tx, mesh: Mesh, seed: int = 0):
+    auto = jax.make_mesh(mesh.devices.shape, mesh.axis_names,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
+                         devices=mesh.devices.reshape(-1))
+    with jax.set_mesh(auto):
+      model = GPT(cfg, nnx.Rngs(seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    specs = nnx.get_partition_spec(params)
+    self.params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(auto, s), specs))
+    self.opt_state = tx.init(self.params)
+    self.batch_sharding = NamedSharding(auto, P("data"))
+
+    def step(params, opt_state, tokens):
+      def loss(p):
+        logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+      value, grads = jax.value_and_grad(loss)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, value
+
+    self.step = jax.jit(step, donate_argnums=(0, 1))
+
+  def state(self) -> tuple[Any, Any]:
+    return self.params, self.opt_state
+
+
+def gpt(cfg, tx, mesh) -> GPTPeer:
+  return GPTPeer(cfg, tx, mesh)
 
 
 def _replicated(path: tuple, ndim: int) -> tuple:

@@ -39,7 +39,7 @@ SECTIONS = ("audit", "peers", "overhead", "memory", "scaling", "hostmem", "devic
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  from train.errors import OneLineParser, comma_choices, positive_int
+  from train.errors import OneLineParser, comma_choices, non_negative_float, positive_int
 
   p = OneLineParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="small", choices=["tiny", "small", "llama-125m"],
@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--repeats", type=positive_int, default=7, help="timed steps per contender")
   p.add_argument("--batch-size", type=positive_int, default=32)
   p.add_argument("--seq-len", type=positive_int, default=128)
+  p.add_argument("--grad-clip", type=non_negative_float, default=1.0,
+                 help="every contender's global-norm clipping (0: none, as the gpt peer's "
+                      "docs-style step has none)")
   p.add_argument("--skip", type=comma_choices(SECTIONS), default=[],
                  help=f"comma-separated sections to skip: {','.join(SECTIONS)}")
   p.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
   out_path_or_exit(args.out, "bench/run.py")
   platform_name = jax.devices()[0].platform
   cfg = bench_config(args.preset, args.layers, args.seq_len)
-  tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10)
+  tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10, grad_clip=args.grad_clip)
   tokens_host = np.asarray(peers.tokens_for(cfg, args.batch_size, args.seq_len))
   results: dict[str, Any] = {
       "command": "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -211,8 +214,11 @@ def audit_and_peers_section(cfg, spec: str, tokens_host, tx, args, skip: set[str
   contenders = {"flax_tp": mine}
   # With a model axis: GSPMD on the reference (separate q/k/v) and on a GPT with one
   # fused q/k/v projection; without: data parallelism.
+  # The independent docs-style GPT (multi-head GELU models only) on every mesh.
   others = ((peers.gspmd, peers.gspmd_fused) if mesh.shape["model"] > 1
             else (peers.data_parallel,))
+  if cfg.kv_heads == cfg.num_heads and cfg.mlp == "gelu":
+    others += (peers.gpt,)
   for make in others:
     peer = make(cfg, tx, mesh)
     contenders[peer.name], seconds = peer_contender(peer, tokens_host)

@@ -22,6 +22,7 @@ def test_bench_smoke(tmp_path):
   assert audit["count_ratio"] == 1.0 and audit["bytes_ratio"] == 1.0, audit
   assert results["meshes"]["2x4"]["gspmd"]["step_s"] > 0
   assert results["meshes"]["2x4"]["gspmd_fused"]["step_s"] > 0
+  assert results["meshes"]["2x4"]["gpt"]["step_s"] > 0
   assert results["overhead"]["step"]["ratio"] > 0
   assert abs(results["memory"]["2x4"]["ratio"] - 1.0) < 1e-9
   try:
@@ -106,6 +107,36 @@ def test_gspmd_peers_shard_every_matrix_but_the_norms():
       is_norm_or_row_bias = path[-2] in ("ln1", "ln2", "ln_f") or path[-2:] in (
           ("o", "bias"), ("down", "bias"))
       assert replicated == is_norm_or_row_bias, (path, spec)
+
+
+def test_gpt_peer_shards_as_megatron_and_learns(meshes):
+  """The independent docs-style GPT (bench/peers.py ``gpt``): its fused q/k/v, MLP input
+  and embedding split over "model", its output projections over their inputs, norms and
+  row biases whole; on an Auto-axes mesh its jitted AdamW step lowers the loss."""
+  import jax
+  import numpy as np
+  from jax.sharding import PartitionSpec as P
+
+  from bench.peers import GPTPeer, tokens_for
+  from train.step import make_optimizer
+  cfg = TransformerConfig.preset("small", num_layers=2, num_heads=8, head_dim=16)
+  peer = GPTPeer(cfg, make_optimizer(lr=1e-2, steps=10, grad_clip=0.0), meshes["2x4"])
+  from flax import nnx
+  specs = {"/".join(map(str, path)): var[...].sharding.spec
+           for path, var in nnx.to_flat_state(peer.params)}
+  assert specs["blocks/0/qkv/kernel"] == P(None, "model")
+  assert specs["blocks/0/o/kernel"] == P("model", None)
+  assert specs["blocks/1/up/bias"] == P("model")
+  assert specs["embed/embedding"] == P("model", None)
+  assert all(name is None for name in specs["blocks/0/ln1/scale"])
+  assert peer.params["blocks"][0]["qkv"]["kernel"][...].shape == (128, 8 * 3 * 16)
+  tokens = jax.device_put(tokens_for(cfg, 8, 16), peer.batch_sharding)
+  params, opt_state = peer.state()
+  losses = []
+  for _ in range(4):
+    params, opt_state, loss = peer.step(params, opt_state, tokens)
+    losses.append(float(loss))
+  assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
 def test_plan_bench_smoke(tmp_path):

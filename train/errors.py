@@ -2,6 +2,7 @@
 here: XLA_FLAGS must be checked before JAX starts)."""
 
 import argparse
+import math
 import sys
 
 
@@ -33,6 +34,17 @@ def positive_int(text: str) -> int:
     raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
   if value < 1:
     raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+  return value
+
+
+def non_negative_float(text: str) -> float:
+  """``type=`` of a flag that must be a finite number >= 0."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+  if not math.isfinite(value) or value < 0:
+    raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
   return value
 
 
