@@ -7,6 +7,8 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from models.norms import OffsetRMSNorm
+
 BYTE_VOCAB = 256
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # a layer's attention (HF's names)
@@ -202,7 +204,6 @@ class TransformerConfig:
     norms, the final norm, and (``qk_norm``) q/k's over head_dim."""
     width = self.d_model if width is None else width
     if self.norm == "rmsnorm_offset":
-      from models.norms import OffsetRMSNorm
       return OffsetRMSNorm(width, epsilon=self.norm_eps, dtype=self.compute_dtype)
     cls = nnx.RMSNorm if self.norm == "rmsnorm" else nnx.LayerNorm
     return cls(width, epsilon=self.norm_eps, dtype=self.compute_dtype, rngs=rngs)

@@ -253,6 +253,11 @@ class Family:
     return None if self.model_type in ("llama", "qwen2") else self.model_type
 
 
+# What Gemma 2/3 add, absent from every other family (their writers require it so).
+_NO_GEMMA = dict(sandwich_norm=False, attn_scale=None, attn_softcap=None, final_softcap=None,
+                 rope_local_base=None, embed_scale=False)
+
+
 def _llama_read(hf, shared):
   bias = _flag(hf, "attention_bias", False)
   return dict(qkv_bias=bias, attn_out_bias=bias, mlp_bias=_flag(hf, "mlp_bias", False),
@@ -260,8 +265,8 @@ def _llama_read(hf, shared):
 
 
 def _llama_write(cfg):
-  _require(cfg, "llama", norm="rmsnorm", mlp="swiglu", qk_norm=False, sandwich_norm=False,
-           layer_types=None, rotary_fraction=1.0)
+  _require(cfg, "llama", norm="rmsnorm", mlp="swiglu", qk_norm=False, layer_types=None,
+           rotary_fraction=1.0, **_NO_GEMMA)
   if cfg.qkv_bias != cfg.attn_out_bias:
     raise HFConfigError(f"qkv_bias={cfg.qkv_bias}, attn_out_bias={cfg.attn_out_bias}: Llama "
                         "has both or neither, Qwen2 q/k/v biases only")
@@ -282,7 +287,7 @@ def _qwen_windows_out(cfg):
 
 def _qwen2_write(cfg):
   _require(cfg, "qwen2", norm="rmsnorm", mlp="swiglu", qk_norm=False, qkv_bias=True,
-           attn_out_bias=False, mlp_bias=False, rotary_fraction=1.0)
+           attn_out_bias=False, mlp_bias=False, rotary_fraction=1.0, **_NO_GEMMA)
   return _qwen_windows_out(cfg)
 
 
@@ -295,7 +300,7 @@ def _qwen3_read(hf, shared):
 
 def _qwen3_write(cfg):
   _require(cfg, "qwen3", norm="rmsnorm", mlp="swiglu", qk_norm=True, mlp_bias=False,
-           qkv_bias=cfg.attn_out_bias, rotary_fraction=1.0)
+           qkv_bias=cfg.attn_out_bias, rotary_fraction=1.0, **_NO_GEMMA)
   return dict(attention_bias=cfg.attn_out_bias, **_qwen_windows_out(cfg))
 
 
@@ -312,7 +317,7 @@ def _mistral_read(hf, shared):
 
 def _mistral_write(cfg):
   _require(cfg, "mistral", norm="rmsnorm", mlp="swiglu", qk_norm=False, qkv_bias=False,
-           attn_out_bias=False, mlp_bias=False, rotary_fraction=1.0)
+           attn_out_bias=False, mlp_bias=False, rotary_fraction=1.0, **_NO_GEMMA)
   if cfg.layer_types is not None and set(cfg.layer_types) != {SLIDING}:
     raise HFConfigError("mistral's sliding_window applies to every layer; this model mixes "
                         "full and sliding layers")
@@ -331,9 +336,9 @@ def _gemma_read(hf, shared):
 
 
 def _gemma_write(cfg):
-  _require(cfg, "gemma", norm="rmsnorm_offset", mlp="geglu", embed_scale=True, qk_norm=False,
-           sandwich_norm=False, layer_types=None, mlp_bias=False, qkv_bias=cfg.attn_out_bias,
-           attn_scale=None, attn_softcap=None, final_softcap=None, rotary_fraction=1.0)
+  _require(cfg, "gemma", norm="rmsnorm_offset", mlp="geglu", qk_norm=False, layer_types=None,
+           mlp_bias=False, qkv_bias=cfg.attn_out_bias, rotary_fraction=1.0,
+           **{**_NO_GEMMA, "embed_scale": True})
   return dict(attention_bias=cfg.attn_out_bias, hidden_act="gelu_pytorch_tanh")
 
 
@@ -411,7 +416,7 @@ def _phi3_read(hf, shared):
 
 def _phi3_write(cfg):
   _require(cfg, "phi3", norm="rmsnorm", mlp="swiglu", qk_norm=False, qkv_bias=False,
-           attn_out_bias=False, mlp_bias=False)
+           attn_out_bias=False, mlp_bias=False, **_NO_GEMMA)
   if cfg.layer_types is not None and set(cfg.layer_types) != {SLIDING}:
     raise HFConfigError("phi3's sliding_window applies to every layer; this model mixes "
                         "full and sliding layers")
@@ -502,12 +507,7 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
   if cfg.norm not in ("rmsnorm", "rmsnorm_offset") or cfg.mlp not in ("swiglu", "geglu"):
     raise HFConfigError(f"norm={cfg.norm!r}, mlp={cfg.mlp!r} has no HF equivalent (needs "
                         "norm='rmsnorm', mlp='swiglu' as Llama, or a family's own)")
-  extra = family.write(cfg)
-  if family.model_type not in ("gemma2", "gemma3_text"):
-    _require(cfg, family.model_type, sandwich_norm=False, attn_scale=None, attn_softcap=None,
-             final_softcap=None, rope_local_base=None)
-  if family.model_type not in ("gemma", "gemma2", "gemma3_text"):
-    _require(cfg, family.model_type, embed_scale=False)
+  extra = family.write(cfg)  # (each writer refuses what its family cannot represent)
   # (Llama's and Qwen2's fields in the order they were always written: same bytes)
   out = dict(
       model_type=family.model_type, architectures=[family.architecture],

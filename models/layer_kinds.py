@@ -36,12 +36,16 @@ def window_of(cfg: TransformerConfig, layer) -> int | jax.Array | None:
 
 def rotate(cfg: TransformerConfig, x_bshk: jax.Array, positions, layer) -> jax.Array:
   """Rotary positions on ``x [b, s, h, k]`` as ``layer``'s kind has them."""
-  full = ops.rotary(x_bshk, cfg.rope_base, positions, scaling=cfg.rope_scaling,
-                    rotary_dim=cfg.rotary_dim)
+  def full():
+    return ops.rotary(x_bshk, cfg.rope_base, positions, scaling=cfg.rope_scaling,
+                      rotary_dim=cfg.rotary_dim)
+
+  def local():
+    return ops.rotary(x_bshk, cfg.rope_local_base, positions, rotary_dim=cfg.rotary_dim)
+
   if cfg.rope_local_base is None or not cfg.has_sliding_layers:
-    return full
+    return full()
   sliding = _is_sliding(cfg, layer)
-  if isinstance(sliding, bool) and not sliding:
-    return full
-  local = ops.rotary(x_bshk, cfg.rope_local_base, positions, rotary_dim=cfg.rotary_dim)
-  return local if isinstance(sliding, bool) else jnp.where(sliding, local, full)
+  if isinstance(sliding, bool):
+    return local() if sliding else full()
+  return jnp.where(sliding, local(), full())  # a traced layer: both kinds, one kept

@@ -106,7 +106,7 @@ def scale_embeddings(cfg, x: jax.Array) -> jax.Array:
   return x * jnp.asarray(cfg.d_model ** 0.5, x.dtype)
 
 
-def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+def softcap_of(x: jax.Array, cap: float | None) -> jax.Array:
   """``cap * tanh(x / cap)`` (Gemma 2's soft-capping); ``x`` unchanged when cap is None."""
   return x if cap is None else jnp.tanh(x / cap) * cap
 
@@ -156,9 +156,7 @@ def visible_keys(query_pos: jax.Array, key_pos: jax.Array,
 def _scores(q, k, scale, softcap):
   """``[b, h, q, t]`` float32 scores of ``q [b, q, h, k]`` over ``k [b, t, h, k]``."""
   scores = jnp.einsum("bqhk,bthk->bhqt", q, k, preferred_element_type=jnp.float32) * scale
-  if softcap is not None:
-    scores = jnp.tanh(scores / softcap) * softcap
-  return scores
+  return softcap_of(scores, softcap)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -216,9 +214,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
   returns ``[b, s, g, r, k]``. Softmax runs in float32, as in ``causal_attention``.
   """
   scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1])) if scale is None else scale
-  scores = jnp.einsum("bqgrk,btgk->bgrqt", q, k, preferred_element_type=jnp.float32) * scale
-  if softcap is not None:
-    scores = jnp.tanh(scores / softcap) * softcap
+  scores = softcap_of(jnp.einsum("bqgrk,btgk->bgrqt", q, k,
+                                 preferred_element_type=jnp.float32) * scale, softcap)
   visible = visible_keys(positions[:, :, None], jnp.arange(k.shape[1])[None, None, :],
                          window)  # [b, s, L]
   scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)

@@ -102,7 +102,7 @@ class ReferenceTransformer(nnx.Module):
     for layer, block in enumerate(self.blocks):
       x = block(x, dropout_key, layer)
     x = self.ln_f(x)
-    return ops.softcap(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
+    return ops.softcap_of(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
                        cfg.final_softcap)
 
 

@@ -255,7 +255,7 @@ class Transformer(nnx.Module):
     x = self._blocks(x, dropout_key, rows, seq)
     x = self.ln_f(x)
     x = flax_tp.copy_to_parallel(x) if seq is None else seq.gather(x)
-    return ops.softcap(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
+    return ops.softcap_of(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
                        cfg.final_softcap)
 
   def _blocks(self, x, key, rows, seq):
@@ -299,7 +299,7 @@ class Transformer(nnx.Module):
     x = jnp.take_along_axis(x, last_b[:, None, None], axis=1)[:, 0]  # [b, d]
     x = flax_tp.copy_to_parallel(self.ln_f(x))
     logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.head(x)
-    return ops.softcap(logits, self.cfg.final_softcap), tuple(new_cache)
+    return ops.softcap_of(logits, self.cfg.final_softcap), tuple(new_cache)
 
   def _standalone(self, tokens_bs, dropout_key):
     graphdef, state = nnx.split(self)

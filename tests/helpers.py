@@ -136,3 +136,23 @@ def wait_for(condition, timeout=60.0, what="the condition") -> None:
 def tiny_state() -> dict:
   """A one-array state tree for checkpoint tests."""
   return {"params": {"w": jnp.arange(6.0).reshape(2, 3)}}
+
+
+def bpe_tokenizer(corpus, vocab_size=300):
+  """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``corpus`` (a file path): the
+  tokenizer.json an HF folder of the CLI tests carries."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.train([str(corpus)], trainers.BpeTrainer(
+      vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  return tokenizer
+
+
+def logged_losses(metrics_path) -> list[float]:
+  """The training losses of a ``--metrics-file`` JSONL, in step order."""
+  import json
+  from pathlib import Path
+  return [r["loss"] for r in map(json.loads, Path(metrics_path).read_text().splitlines())
+          if "loss" in r]

@@ -267,19 +267,14 @@ def test_a_family_fine_tunes_resumes_on_another_mesh_and_generates(tmp_path, nam
   import dataclasses
 
   from flax import nnx
-  from helpers import write_small_corpus
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from helpers import bpe_tokenizer, logged_losses, write_small_corpus
 
   import flax_tp
   from models.transformer import Transformer
   from train import generate as cli
   from train.run import main
   corpus = write_small_corpus(tmp_path / "corpus.py")
-  tokenizer = Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tokenizer.decoder = decoders.ByteLevel()
-  tokenizer.train([corpus], trainers.BpeTrainer(
-      vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tokenizer = bpe_tokenizer(corpus)
   cfg = dataclasses.replace(read_config(FIXTURES / name),
                             vocab_size=tokenizer.get_vocab_size() + 3, max_seq_len=32)
   folder = tmp_path / "model"
@@ -292,7 +287,7 @@ def test_a_family_fine_tunes_resumes_on_another_mesh_and_generates(tmp_path, nam
   assert main([*flags, "--mesh", "2x4", "--sequence-parallel", "--remat", "block",
                "--scan-layers", "--fsdp", "--checkpoint-dir", str(ck), "--checkpoint-every",
                "3", "--metrics-file", str(metrics)]) == 0
-  losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+  losses = logged_losses(metrics)
   assert len(losses) == 6 and losses[-1] < losses[0]
   moved = tmp_path / "moved"
   moved.mkdir()
@@ -300,7 +295,7 @@ def test_a_family_fine_tunes_resumes_on_another_mesh_and_generates(tmp_path, nam
   resumed = tmp_path / "r.jsonl"
   assert main([*flags, "--mesh", "1x8", "--resume", "--checkpoint-dir", str(moved),
                "--metrics-file", str(resumed)]) == 0
-  again = [r["loss"] for r in map(json.loads, resumed.read_text().splitlines()) if "loss" in r]
+  again = logged_losses(resumed)
   np.testing.assert_allclose(again[0], losses[3], rtol=1e-5)
   capsys.readouterr()
   assert cli.main(["--checkpoint", str(moved), "--mesh", "1x3", "--prompt", "def f(",

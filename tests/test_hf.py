@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import logged_losses
 
 import flax_tp
 from models.execution import Execution
@@ -267,18 +268,13 @@ def test_unsupported_layout_is_refused_on_export(meshes):
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
   """A tiny Llama-style HF folder with its own BPE tokenizer, trained here on real Python."""
-  from helpers import write_small_corpus
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from helpers import bpe_tokenizer, write_small_corpus
 
   from models.config import TransformerConfig
   from models.transformer import Transformer
   root = tmp_path_factory.mktemp("hf")
   corpus = write_small_corpus(root / "corpus.py")
-  tokenizer = Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tokenizer.decoder = decoders.ByteLevel()
-  tokenizer.train([corpus], trainers.BpeTrainer(
-      vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tokenizer = bpe_tokenizer(corpus)
   cfg = TransformerConfig.preset("llama-tiny", vocab_size=tokenizer.get_vocab_size() + 5)
   model = Transformer(cfg, mesh=flax_tp.make_mesh("1x1"), rngs=nnx.Rngs(3))
   save_hf(model, root / "model")
@@ -299,7 +295,7 @@ def test_init_from_fine_tunes_then_resumes_on_another_mesh(tmp_path, hf_folder, 
                "4", "--metrics-file", str(metrics)]) == 0
   out = capsys.readouterr().out
   assert f"model: from {str(folder)!r}" in out and "tokens (hf-" in out
-  losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+  losses = logged_losses(metrics)
   assert len(losses) == 8 and losses[-1] < losses[0] - 0.5  # it learns
   moved = tmp_path / "moved"
   moved.mkdir()
@@ -307,7 +303,7 @@ def test_init_from_fine_tunes_then_resumes_on_another_mesh(tmp_path, hf_folder, 
   resumed = tmp_path / "r.jsonl"
   assert main([*flags, "--mesh", "1x8", "--resume", "--checkpoint-dir", str(moved),
                "--metrics-file", str(resumed)]) == 0
-  again = [r["loss"] for r in map(json.loads, resumed.read_text().splitlines()) if "loss" in r]
+  again = logged_losses(resumed)
   # The restore is exact (the first resumed loss); after it, Adam at lr 1e-2 amplifies
   # the other mesh's summation order (kv-gradient sums over 8 instead of 4 devices).
   np.testing.assert_allclose(again[0], losses[4], rtol=1e-6)
