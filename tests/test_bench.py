@@ -242,3 +242,43 @@ def test_mfu_bench_keeps_the_points_measured_before_an_interrupt(tmp_path, monke
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1] == f"bench.mfu: interrupted after 1 of 3 points; they are in {out}"
   assert not (tmp_path / "mfu.json.tmp").exists()
+
+
+def test_profile_names_the_compiled_programs_ops():
+  """bench/profile.py reads the compiled HLO (dots, fusions, collectives) and times those
+  very ops in a jax.profiler trace of the program."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  from bench.profile import dot_shapes, hlo_kinds, profile_contender
+  mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:2])
+
+  def step(x, w):
+    y = jnp.tanh(x @ w)
+    return jax.lax.psum(jnp.sum(y * y), "model")
+
+  mapped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(None, "model")),
+                                 out_specs=P()))
+  x = jnp.ones((4, 5))
+  w = jax.device_put(jnp.ones((5, 6)), jax.sharding.NamedSharding(mesh, P(None, "model")))
+  compiled = mapped.lower(x, w).compile()
+  hlo = compiled.as_text()
+  assert dot_shapes(hlo) == ["f32[4,3]"]  # each device's half of the output
+  kinds = hlo_kinds(hlo)
+  assert list(kinds.values()).count("all-reduce") == 1
+  assert all(name in hlo for name in kinds)
+
+  class Step:
+    def __init__(self):
+      self.compiled = compiled
+
+    def __call__(self):
+      jax.block_until_ready(compiled(x, w))
+
+  figures = profile_contender(Step(), devices=2, steps=2)
+  assert figures["collectives"] == {"all-reduce": 1}
+  assert figures["dots"] == ["f32[4,3]"]
+  assert figures["rendezvous_per_device"] >= 1  # the all-reduce met its peer
+  assert figures["fusion_thread_ms_per_device"] > 0
