@@ -128,13 +128,14 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "col
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--preset", default="small")
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--batch-size", type=int, default=16)
-  p.add_argument("--seq-len", type=int, default=128)
+  from train.errors import positive_int
+  p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n")[0])
+  p.add_argument("--preset", default="small", choices=["tiny", "small", "llama-125m"])
+  p.add_argument("--layers", type=positive_int, default=2)
+  p.add_argument("--batch-size", type=positive_int, default=16)
+  p.add_argument("--seq-len", type=positive_int, default=128)
   p.add_argument("--meshes", default="2x4,4x2", help="comma-separated DxM meshes")
-  p.add_argument("--steps", type=int, default=5, help="steps traced per contender")
+  p.add_argument("--steps", type=positive_int, default=5, help="steps traced per contender")
   p.add_argument("--out", default=None, help="write the figures here as JSON")
   return p.parse_args(argv)
 
@@ -147,7 +148,10 @@ def main(argv=None) -> int:
   import optax
 
   import flax_tp
-  from bench import peers
+  from bench import meshes_or_exit, out_path_or_exit, peers
+  meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
+  meshes_or_exit(meshes, "bench.profile")
+  out_path_or_exit(args.out, "bench.profile")
 
   cfg = bench_config(args.preset, layers=args.layers, seq_len=args.seq_len)
   # AdamW without clipping on either side, as the gpt peer is timed in bench/run.py.
@@ -155,7 +159,7 @@ def main(argv=None) -> int:
   tokens = peers.tokens_for(cfg, args.batch_size, args.seq_len)
   results: dict[str, Any] = {"command": " ".join(["python -m bench.profile", *(argv or sys.argv[1:])]),
                              "jax": jax.__version__, "meshes": {}}
-  for spec in args.meshes.split(","):
+  for spec in meshes:
     mesh = flax_tp.make_mesh(spec)
     _, mine, _ = flax_tp_contender(cfg, mesh, tokens, tx)
     gpt, _ = peer_contender(peers.gpt(cfg, tx, mesh), tokens)
