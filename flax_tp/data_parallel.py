@@ -119,7 +119,7 @@ def shard_over_data(module: nnx.Module, *, per_block: tuple[nnx.Module, ...] = (
     if mesh is None or names is None or DATA_AXIS not in mesh.axis_names:
       raise ValueError(f"param {'.'.join(map(str, path))} is not on a mesh with a "
                        f"{DATA_AXIS!r} axis (see flax_tp.replicate_on_mesh)")
-    if info.over_data:
+    if info.over_data or info.over_experts:  # experts: already split over "data"
       continue
     size = mesh.shape[DATA_AXIS]
     if split_over(DATA_AXIS, size) is None:  # one device: nothing to split

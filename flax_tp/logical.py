@@ -25,10 +25,8 @@ def gather_to_host(value: jax.Array) -> np.ndarray:
 
 def logical_value(leaf: nnx.Variable | jax.Array) -> np.ndarray:
   """The whole, unpadded value of a param (or plain array) on this host."""
-  info = ParamInfo.of(leaf)
-  layout, dim = info.layout, info.dim
   value = gather_to_host(leaf[...] if isinstance(leaf, nnx.Variable) else leaf)
-  return layout.unpad(value, dim) if layout is not None else value
+  return ParamInfo.of(leaf).unpad(value)
 
 
 def stored_like(leaf: nnx.Variable | jax.Array, logical: Any, name: Any = "") -> jax.Array:
@@ -38,15 +36,13 @@ def stored_like(leaf: nnx.Variable | jax.Array, logical: Any, name: Any = "") ->
   that does not fit.
   """
   info = ParamInfo.of(leaf)
-  layout, dim = info.layout, info.dim
   target = leaf[...] if isinstance(leaf, nnx.Variable) else leaf
   value = np.asarray(logical).astype(target.dtype)
   expected = list(info.logical_shape(target.shape))
   if list(value.shape) != expected:
     raise ValueError(
         f"param {name}: got shape {tuple(value.shape)}, expected {tuple(expected)}")
-  if layout is not None:
-    value = layout.pad(value, dim)
+  value = info.pad(value)
   return place(value, target.sharding) if isinstance(target, jax.Array) else value
 
 

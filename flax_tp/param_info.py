@@ -11,7 +11,12 @@ A parallel parameter is an ``nnx.Param`` holding a global ``jax.Array`` in its s
   layers stacked on a new leading axis (``stack_layers``): how many, and where the
   layer number goes in its per-layer path;
 - ``fsdp_dim``: the dimension split over ``"data"`` too (FSDP), and ``fsdp_per_block``:
-  that a block gathers it (``flax_tp.data_parallel``).
+  that a block gathers it (``flax_tp.data_parallel``);
+- ``ep_layout`` / ``ep_dim``: on a mixture of experts' expert weights, the
+  ``ShardLayout`` of the experts' dimension, split over ``"data"`` (expert
+  parallelism, ``flax_tp.moe``): each data shard holds its experts, padded with zero
+  experts where the axis does not divide their number. Such a param is never gathered
+  over ``"data"`` nor has its gradient summed over it.
 
 Nothing of this is written to a checkpoint (which holds logical values), so the keys
 are only ever read and written here: ``ParamInfo.of(var)`` reads them all, ``record``
@@ -31,7 +36,8 @@ from flax_tp.partition import ShardLayout
 # flax_tp's own metadata keys, by ParamInfo field; a user's metadata may not set them.
 FSDP_DIM, FSDP_PER_BLOCK = "fsdp_dim", "fsdp_per_block"
 KEYS = {"layout": "tp_layout", "dim": "tp_dim", "layers": "tp_layers",
-        "layer_at": "tp_layer_at", "fsdp_dim": FSDP_DIM, "fsdp_per_block": FSDP_PER_BLOCK}
+        "layer_at": "tp_layer_at", "fsdp_dim": FSDP_DIM, "fsdp_per_block": FSDP_PER_BLOCK,
+        "expert_layout": "ep_layout", "expert_dim": "ep_dim"}
 FLAX_TP_KEYS = tuple(KEYS.values())
 # nnx's keys that say where a param lives.
 NAMES_KEY, MESH_KEY = "out_sharding", "mesh"
@@ -49,6 +55,8 @@ class ParamInfo:
   layer_at: int | None = None  # stacked: where the layer goes in its per-layer path
   fsdp_dim: int | None = None  # the dim split over "data" too (FSDP)
   fsdp_per_block: bool = False  # FSDP: gathered by its block, not by gather_for_step
+  expert_layout: ShardLayout | None = None  # experts split over "data" (expert parallel)
+  expert_dim: int | None = None  # which dim that is
 
   @classmethod
   def of(cls, leaf: Any) -> ParamInfo:
@@ -75,6 +83,11 @@ class ParamInfo:
     return self.fsdp_dim is not None
 
   @property
+  def over_experts(self) -> bool:
+    """Whether expert parallelism splits the param's experts over "data"."""
+    return self.expert_layout is not None
+
+  @property
   def sharding(self) -> NamedSharding:
     return NamedSharding(self.mesh, P(*self.names))
 
@@ -83,7 +96,34 @@ class ParamInfo:
     shape = list(stored_shape)
     if self.layout is not None:
       shape[self.dim] = self.layout.size
+    if self.expert_layout is not None:
+      shape[self.expert_dim] = self.expert_layout.size
     return tuple(shape)
+
+  def per_layer(self) -> ParamInfo:
+    """A stacked param's record as one layer's slice of it has it: no layer axis, so
+    each split dim one lower."""
+    shift = lambda d: None if d is None else d - 1
+    return dataclasses.replace(self, names=None if self.names is None else self.names[1:],
+                               dim=shift(self.dim), expert_dim=shift(self.expert_dim),
+                               layers=None, layer_at=None, fsdp_dim=shift(self.fsdp_dim))
+
+  def unpad(self, stored: Any) -> Any:
+    """The logical value of the whole stored array ``stored`` (padding stripped from
+    each padded dim)."""
+    if self.layout is not None:
+      stored = self.layout.unpad(stored, self.dim)
+    if self.expert_layout is not None:
+      stored = self.expert_layout.unpad(stored, self.expert_dim)
+    return stored
+
+  def pad(self, logical: Any) -> Any:
+    """The whole stored form of the logical value ``logical`` (inverse of ``unpad``)."""
+    if self.layout is not None:
+      logical = self.layout.pad(logical, self.dim)
+    if self.expert_layout is not None:
+      logical = self.expert_layout.pad(logical, self.expert_dim)
+    return logical
 
 
 def record(var: nnx.Variable, *, names: tuple | None = None, **fields: Any) -> None:

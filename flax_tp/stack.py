@@ -68,8 +68,9 @@ def stack_layers(modules: Sequence[nnx.Module]) -> nnx.Module:
     names = (None,) + info.names
     var.set_value(_stacker(NamedSharding(info.mesh, P(*names)))(
         *[flat[path][...] for flat in flats]))
-    record(var, names=names, layers=len(modules), layer_at=-len(path),
-           **({} if info.dim is None else {"dim": info.dim + 1}))
+    shifted = {field: getattr(info, field) + 1 for field in ("dim", "expert_dim")
+               if getattr(info, field) is not None}
+    record(var, names=names, layers=len(modules), layer_at=-len(path), **shifted)
   return modules[0]
 
 
@@ -85,16 +86,13 @@ def set_layer(var: nnx.Variable, layer: int, logical: Any, name: Any = "") -> No
   ``ValueError`` naming ``name`` on a shape that does not fit.
   """
   info = ParamInfo.of(var)
+  one = info.per_layer()
   stacked = var[...]
-  expected = list(stacked.shape[1:])
-  layout, dim = info.layout, info.dim
-  if layout is not None:
-    expected[dim - 1] = layout.size
+  expected = list(one.logical_shape(stacked.shape[1:]))
   value = np.asarray(logical).astype(stacked.dtype)
   if list(value.shape) != expected:
     raise ValueError(
         f"param {name}: got shape {tuple(value.shape)}, expected {tuple(expected)}")
-  if layout is not None:
-    value = layout.pad(value, dim - 1)
-  sharding = NamedSharding(info.mesh, P(*info.names[1:]))
+  value = one.pad(value)
+  sharding = NamedSharding(info.mesh, P(*one.names))
   var.set_value(_update_layer(stacked, place(value, sharding), jnp.int32(layer)))

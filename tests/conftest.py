@@ -24,7 +24,7 @@ import flax_tp
 @pytest.fixture(scope="session")
 def meshes():
   """The meshes every layer test runs on; "1x3" is a sub-mesh of 3 devices."""
-  return {spec: flax_tp.make_mesh(spec) for spec in ("1x1", "1x2", "2x4", "1x8", "1x3")}
+  return {spec: flax_tp.make_mesh(spec) for spec in ("1x1", "1x2", "2x4", "1x8", "1x3", "4x2", "8x1")}
 
 
 def pytest_configure(config):

@@ -143,10 +143,10 @@ def test_a_padded_block_holds_its_shards_logical_data_only():
   (shards 1 and 2) holds logical rows 3..5 and 6..7; the padding row 8 is in no box."""
   from flax_tp.checkpoint.boxes import logical_boxes
   layout = ShardLayout(10, 4)
-  assert logical_boxes((slice(3, 9), slice(None)), (12, 5), layout, 0) == [
+  assert logical_boxes((slice(3, 9), slice(None)), (12, 5), {0: layout}) == [
       ((slice(0, 3), slice(0, 5)), (3, 0), (3, 5)),
       ((slice(3, 5), slice(0, 5)), (6, 0), (2, 5))]
-  assert logical_boxes((slice(0, 5), slice(8, 9)), (5, 12), layout, 1) == []  # padding
+  assert logical_boxes((slice(0, 5), slice(8, 9)), (5, 12), {1: layout}) == []  # padding
 
 
 @pytest.mark.parametrize("layout", [
@@ -168,7 +168,7 @@ def test_boxes_rebuild_the_logical_array_and_write_each_element_once(layout, blo
     where = (slice(start, start + step), slice(None))
     block = stored[where]
     for first_copies in (False, True):
-      for sl, at, box in logical_boxes(where, stored.shape, layout, 0, first_copies):
+      for sl, at, box in logical_boxes(where, stored.shape, {0: layout}, first_copies):
         target = tuple(slice(a, a + n) for a, n in zip(at, box, strict=True))
         if first_copies:
           written[target] += 1

@@ -1,8 +1,9 @@
 """Checkpoint geometry: which logical boxes a device block of a stored array holds.
 
 A stored (padded) array's device block covers a range of stored positions on each
-dimension; on the dimension split over ``"model"`` each padded shard in it holds its
-layout's logical runs, padding none. ``boxes`` turns one block into the logical boxes
+dimension; on a padded dimension (the one split over ``"model"``, and a mixture of
+experts' experts split over ``"data"``) each padded shard in it holds its layout's
+logical runs, padding none. ``boxes`` turns one block into the logical boxes
 it holds: what the writer writes (each logical element once: ``first_copies``) and the
 reader fills.
 """
@@ -35,18 +36,18 @@ def stored_runs(stored: slice, layout: ShardLayout | None,
   return runs
 
 
-def logical_boxes(index: tuple[slice, ...], shape: tuple[int, ...], layout: ShardLayout | None,
-           dim: int | None, first_copies: bool = False
-           ) -> list[tuple[tuple[slice, ...], tuple[int, ...], tuple[int, ...]]]:
+def logical_boxes(index: tuple[slice, ...], shape: tuple[int, ...],
+                  layouts: dict[int, ShardLayout], first_copies: bool = False
+                  ) -> list[tuple[tuple[slice, ...], tuple[int, ...], tuple[int, ...]]]:
   """The logical boxes inside one device block of a stored array.
 
-  ``index`` is the block's place in the stored array. Returns
+  ``index`` is the block's place in the stored array; ``layouts`` the layout of each
+  padded dimension (by dimension; the others are logical). Returns
   ``[(slices into the block, logical start, box shape)]``; empty when the block
   holds only padding.
   """
   index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
-  per_dim = [stored_runs(s, layout if d == dim else None, first_copies)
-             for d, s in enumerate(index)]
+  per_dim = [stored_runs(s, layouts.get(d), first_copies) for d, s in enumerate(index)]
   boxes = [((), (), ())]
   for d, runs in enumerate(per_dim):
     base = index[d].start

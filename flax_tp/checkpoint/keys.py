@@ -55,9 +55,20 @@ def saved_keys(key: str, leaf: Any) -> list[str] | None:
           for i in range(stacked_layers(leaf))]
 
 
-def layout_of(leaf: Any) -> tuple[ShardLayout | None, int | None]:
+def layout_of(leaf: Any) -> dict[int, ShardLayout]:
+  """The layout of each padded dimension of ``leaf``'s stored array, by dimension."""
   info = ParamInfo.of(leaf)
-  return info.layout, info.dim
+  layouts = {}
+  if info.layout is not None:
+    layouts[info.dim] = info.layout
+  if info.expert_layout is not None:
+    layouts[info.expert_dim] = info.expert_layout
+  return layouts
+
+
+def layer_layouts(layouts: dict[int, ShardLayout]) -> dict[int, ShardLayout]:
+  """A stacked param's layouts as one layer's slice has them (its dims shift by one)."""
+  return {dim - 1: layout for dim, layout in layouts.items()}
 
 
 def value_of(leaf: Any) -> Any:

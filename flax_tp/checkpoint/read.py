@@ -16,7 +16,7 @@ from flax import nnx
 
 from flax_tp.checkpoint.boxes import logical_boxes
 from flax_tp.checkpoint.errors import CheckpointError
-from flax_tp.checkpoint.keys import layout_of, logical_shape, saved_keys, value_of
+from flax_tp.checkpoint.keys import layer_layouts, layout_of, logical_shape, saved_keys, value_of
 
 
 class Pieces:
@@ -81,7 +81,7 @@ class Pieces:
 
   def restore(self, key: str, leaf: Any) -> Any:
     target = value_of(leaf)
-    layout, dim = layout_of(leaf)
+    layouts = layout_of(leaf)
     expected = logical_shape(leaf)
     layer_keys = saved_keys(key, leaf)
     for k in layer_keys or [key]:
@@ -93,11 +93,10 @@ class Pieces:
 
     def block(where: tuple[slice, ...], shape: tuple[int, ...], dtype: Any) -> np.ndarray:
       if not layer_keys:
-        return self._block(key, where, shape, layout, dim, dtype)
+        return self._block(key, where, shape, layouts, dtype)
       # A stacked param: its layers are separate params on disk.
-      layer_dim = None if dim is None else dim - 1
       first, stop = where[0].indices(shape[0])[:2]
-      return np.stack([self._block(layer_keys[i], where[1:], shape[1:], layout, layer_dim,
+      return np.stack([self._block(layer_keys[i], where[1:], shape[1:], layer_layouts(layouts),
                                    dtype) for i in range(first, stop)])
 
     if not isinstance(target, jax.Array):
@@ -114,12 +113,12 @@ class Pieces:
     value = jax.make_array_from_single_device_arrays(target.shape, target.sharding, arrays)
     return leaf.replace(value) if isinstance(leaf, nnx.Variable) else value
 
-  def _block(self, key, where, shape, layout, dim, dtype) -> np.ndarray:
+  def _block(self, key, where, shape, layouts, dtype) -> np.ndarray:
     """One device block of the stored array: its logical data from the pieces, zero padding."""
     where = tuple(slice(*s.indices(n)[:2]) for s, n in zip(where, shape, strict=True))
     block = np.zeros([s.stop - s.start for s in where], dtype)
     needed = filled = 0
-    for sl, start, box in logical_boxes(where, shape, layout, dim):
+    for sl, start, box in logical_boxes(where, shape, layouts):
       needed += math.prod(box)
       for process, p_start, p_shape, offset, crc in self.by_key.get(key, []):
         lo = [max(a, b) for a, b in zip(start, p_start, strict=True)]

@@ -14,7 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_tp.checkpoint.boxes import logical_boxes
-from flax_tp.checkpoint.keys import flat_leaves, layout_of, logical_shape, saved_keys, value_of
+from flax_tp.checkpoint.keys import (
+  flat_leaves,
+  layer_layouts,
+  layout_of,
+  logical_shape,
+  saved_keys,
+  value_of,
+)
 
 BARRIER_TIMEOUT_S = 600
 
@@ -44,11 +51,11 @@ class Snapshot:
     if copy:  # on device: the next step may donate (delete) the originals
       values = _copy_on_device(values)
     self.table: dict[str, dict[str, Any]] = {}
-    # (keys, data, index, layout, dim, stored shape); ``keys`` is one key, or one
+    # (keys, data, index, layouts, stored shape); ``keys`` is one key, or one
     # per layer of a stacked param (its leading axis).
     self.shards: list[tuple] = []
     for (key, leaf), value in zip(flat, values, strict=True):
-      layout, dim = layout_of(leaf)
+      layouts = layout_of(leaf)
       shape, dtype = list(logical_shape(leaf)), jnp.dtype(value.dtype).name
       layer_keys = saved_keys(key, leaf)
       for k in layer_keys or [key]:
@@ -57,27 +64,27 @@ class Snapshot:
       if isinstance(value, jax.Array):
         for shard in value.addressable_shards:
           if shard.replica_id == 0:
-            self.shards.append((keys, shard.data, shard.index, layout, dim, value.shape))
+            self.shards.append((keys, shard.data, shard.index, layouts, value.shape))
       elif jax.process_index() == 0:  # a host value: the same on every process
         value = np.asarray(value)
-        self.shards.append((keys, value, (slice(None),) * value.ndim, layout, dim, value.shape))
+        self.shards.append((keys, value, (slice(None),) * value.ndim, layouts, value.shape))
 
   def write(self, folder: Path) -> None:
     """Streams the pieces into ``shards.P.bin`` (one block in host memory at a time)."""
     process = jax.process_index()
     index = []
     with open(folder / f"shards.{process}.bin", "wb") as out:
-      for keys, data, where, layout, dim, shape in self.shards:
+      for keys, data, where, layouts, shape in self.shards:
         block = np.asarray(data)
         if isinstance(keys, str):
-          parts = [(keys, block, where, shape, dim)]
+          parts = [(keys, block, where, shape, layouts)]
         else:  # a stacked param: each layer of the block is its own param's piece
           first = where[0].indices(shape[0])[0]
-          parts = [(keys[first + i], block[i], where[1:], shape[1:],
-                    None if dim is None else dim - 1) for i in range(block.shape[0])]
-        for key, layer_block, layer_where, layer_shape, layer_dim in parts:
-          for sl, start, box in logical_boxes(layer_where, layer_shape, layout, layer_dim,
-                                       first_copies=True):
+          parts = [(keys[first + i], block[i], where[1:], shape[1:], layer_layouts(layouts))
+                   for i in range(block.shape[0])]
+        for key, layer_block, layer_where, layer_shape, layer_layout in parts:
+          for sl, start, box in logical_boxes(layer_where, layer_shape, layer_layout,
+                                              first_copies=True):
             if math.prod(box) == 0:
               continue
             raw = np.ascontiguousarray(layer_block[sl]).tobytes()

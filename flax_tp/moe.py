@@ -1,0 +1,323 @@
+"""Mixture of experts with expert parallelism: router, dispatch and combine, grouped experts.
+
+A MoE block takes the place of a transformer block's MLP. Each token goes to ``top_k``
+of ``num_experts`` SwiGLU experts, and its output is the routing-weighted sum of their
+outputs. Optionally a shared expert with a sigmoid gate is added, as in Qwen2-MoE.
+
+Where things live on a ``("data", "model")`` mesh (Megatron's expert x tensor parallelism):
+- the router ``[d, E]`` is replicated;
+- the experts' ``gate, up [E, d, I]`` and ``down [E, I, d]`` are split over ``"data"``
+  on the experts. The split is ``ShardLayout(E, D)``, ``array_split`` semantics, and a
+  shard that holds fewer experts is padded with zero experts that no token is sent to.
+  They are split over ``"model"`` on the FFN width, column-wise (gate/up) and row-wise
+  (down), padded as the dense layers are. The shared expert is a dense column/row MLP.
+- a token's experts may live on any data shard. The dispatcher all-gathers the data
+  shards' tokens and their routing over ``"data"``. Each shard then runs the tokens
+  routed to its own experts through one grouped matmul per weight
+  (``jax.lax.ragged_dot`` over the tokens sorted by expert, with no capacity and
+  nothing dropped). The partial outputs are reduce-scattered over ``"data"``, back to
+  the shard each token came from, and summed over ``"model"``. Backward mirrors
+  this: output cotangents are all-gathered, input cotangents reduce-scattered.
+
+Why not all-to-all: ``jax.lax.ragged_all_to_all`` (the dropless all-to-all) is
+unimplemented on XLA:CPU (jax 0.10.2), and a static ``all_to_all`` that drops nothing
+must size every send buffer for all of a shard's routed tokens, ``D`` times the
+minimum. Per shard and direction, the all-gather moves ``(D - 1) * t * d`` activations
+against the all-to-all minimum of ``(D - 1) / D * t * k * d`` (``t`` tokens per shard,
+uniform routing), so it is ``D / k`` times that minimum. For top-2 on two data
+shards it is the minimum.
+
+The router runs in float32: the logits ``x @ router`` and their softmax, then top-k
+(renormalised when ``normalize_top_k``, as in Mixtral and Qwen3-MoE; without it, as in
+Qwen2-MoE with ``norm_topk_prob: false``). The weights are then cast to the activations'
+dtype, as transformers does. Each call also returns ``RouterStats``, the sums that the
+load-balancing loss (transformers' ``load_balancing_loss_func``) and the router z-loss
+are built from, so they can be summed over layers and data shards before the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.nn.linear import default_kernel_init
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from flax_tp.collectives import (
+  all_reduce,
+  axis_is_bound,
+  copy_to_parallel,
+  gather_to_parallel,
+  is_varying,
+  reduce_scatter,
+  shard_index,
+)
+from flax_tp.layer import ParallelModule, map_mesh
+from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_parallel
+from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, split_over
+from flax_tp.padding import masked
+from flax_tp.param_info import MESH_KEY, NAMES_KEY, keys_of
+from flax_tp.params import place, sharded_param
+from flax_tp.partition import ShardLayout
+
+Array = jax.Array
+
+# Per expert, fan-in over its own input: the experts' leading axis is a batch axis.
+default_expert_init = nnx.initializers.variance_scaling(
+    1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
+default_router_init = nnx.initializers.lecun_normal()
+
+
+class RouterStats(NamedTuple):
+  """Sums over the tokens a router saw (one layer's, or several layers' added up).
+
+  ``counts [E]``: how many of the tokens' top-k choices picked each expert (the
+  per-expert load); ``probs [E]``: the sum of the router's softmax probabilities per
+  expert; ``z``: the sum of ``logsumexp(logits) ** 2``; ``tokens``: how many tokens.
+  Sums, not means, so layers and data shards add up before the losses divide.
+  """
+
+  counts: Array
+  probs: Array
+  z: Array
+  tokens: Array
+
+  def __add__(self, other: RouterStats) -> RouterStats:  # type: ignore[override]
+    return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
+
+  def all_reduce(self, axis_name: str = DATA_AXIS) -> RouterStats:
+    """The sums over every device of ``axis_name`` (inside a ``shard_map``)."""
+    return RouterStats(*(all_reduce(x, "sum", axis_name) for x in self))
+
+
+def route(logits: Array, top_k: int, normalize: bool) -> tuple[Array, Array, Array]:
+  """``logits [t, E]`` (float32) -> ``(weights [t, k], experts [t, k], probs [t, E])``:
+  the softmax, its top-k, renormalised to sum to one when ``normalize``."""
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  weights, experts = jax.lax.top_k(probs, top_k)
+  if normalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, experts.astype(jnp.int32), probs
+
+
+def router_stats(logits: Array, probs: Array, experts: Array) -> RouterStats:
+  """The sums of one router call over its ``t`` tokens (``logits, probs [t, E]``,
+  ``experts [t, k]``)."""
+  num_experts = probs.shape[-1]
+  counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1))
+  z = jnp.sum(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
+  return RouterStats(jax.lax.stop_gradient(counts), jnp.sum(probs, axis=0), z,
+                     jnp.asarray(probs.shape[0], jnp.float32))
+
+
+def load_balancing_loss(stats: RouterStats) -> Array:
+  """transformers' ``load_balancing_loss_func`` (Switch Transformer's auxiliary loss) of
+  the tokens ``stats`` sums over: ``E * sum_e f_e * P_e``. Here ``f_e`` is the fraction
+  of top-k choices that picked expert ``e`` (summed over the k choices, as transformers
+  sums its ``[k, E]`` means) and ``P_e`` is the mean router probability of ``e``.
+  Several layers' stats added together give the loss of their concatenated router
+  logits, as transformers computes it. Multiply by ``router_aux_loss_coef`` for the
+  term a fine-tune adds to its loss.
+  """
+  num_experts = stats.probs.shape[-1]
+  return num_experts * jnp.sum((stats.counts / stats.tokens) * (stats.probs / stats.tokens))
+
+
+def router_z_loss(stats: RouterStats) -> Array:
+  """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits) ** 2``."""
+  return stats.z / stats.tokens
+
+
+def grouped_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Array,
+                   down: Array, precision: Any = None) -> Array:
+  """The routed tokens through this device's experts, as three grouped matmuls.
+
+  ``x [n, d]``; ``slots [n, k]``: the local expert each of a token's choices goes to,
+  or ``E_local`` for a choice handled elsewhere; ``weights [n, k]``; ``gate, up
+  [E_local, d, I]``, ``down [E_local, I, d]``. Returns ``[n, d]``: for each token, the
+  weighted sum of its local experts' outputs ``down(silu(gate x) * up x)``.
+
+  The ``n * k`` choices are sorted by expert (permute), run as ``ragged_dot`` over
+  contiguous groups (choices handled elsewhere sort last, beyond the groups, and
+  come out zero), and added back to their tokens (unpermute).
+  """
+  num_local = gate.shape[0]
+  k = slots.shape[-1]
+  flat = slots.reshape(-1)
+  order = jnp.argsort(flat, stable=True)  # [n * k]
+  token = order // k
+  sizes = jnp.bincount(flat, length=num_local + 1)[:num_local].astype(jnp.int32)
+  xs = x[token]
+  hidden = (jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes, precision=precision))
+            * jax.lax.ragged_dot(xs, up, sizes, precision=precision))
+  ys = jax.lax.ragged_dot(hidden, down, sizes, precision=precision)
+  kept = jnp.where(flat < num_local, weights.reshape(-1), 0).astype(ys.dtype)[order]
+  return jnp.zeros_like(x, dtype=ys.dtype).at[token].add(ys * kept[:, None])
+
+
+class MoE(ParallelModule):
+  """A mixture-of-experts MLP: ``y = sum_k w_k expert_k(x)`` (+ a gated shared expert).
+
+  Params (global, padded): ``router [d, E]`` replicated; ``gate, up [E_pad, d, I_pad]``
+  and ``down [E_pad, I_pad, d]`` split over ``"data"`` on the experts and over
+  ``"model"`` on the FFN width (see the module docstring); with ``shared_d_ff``, a
+  dense ``shared_gate``/``shared_up`` (column) and ``shared_down`` (row) MLP of that
+  width, and ``shared_expert_gate [d, 1]`` replicated.
+
+  Standalone: ``x [..., d]`` -> ``(y [..., d], RouterStats)`` over all the tokens, in
+  one ``shard_map`` over the mesh, with the tokens split over ``"data"`` when it divides
+  them. Inside a ``shard_map`` over ``("data", "model")``, ``x [..., d]`` is this data
+  shard's tokens, replicated over ``"model"``. It returns ``y`` likewise, and the
+  ``RouterStats`` of this shard's tokens (sum them over layers, then over ``"data"``
+  with ``RouterStats.all_reduce``).
+  """
+
+  def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *,
+               mesh: jax.sharding.Mesh, normalize_top_k: bool = True,
+               shared_d_ff: int | None = None, axis_name: str = MODEL_AXIS,
+               dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None,
+               expert_init: Any = default_expert_init,
+               router_init: Any = default_router_init,
+               kernel_init: Any = default_kernel_init, rngs: nnx.Rngs):
+    self._init_mesh(mesh, axis_name)
+    if DATA_AXIS not in mesh.axis_names:
+      raise ValueError(f"MoE splits its experts over {DATA_AXIS!r}: the mesh "
+                       f"{dict(mesh.shape)} has no such axis (use flax_tp.make_mesh)")
+    for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts),
+                        ("top_k", top_k)):
+      if not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if top_k > num_experts:
+      raise ValueError(f"top_k {top_k} is more than num_experts {num_experts}")
+    self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
+    self.normalize_top_k = normalize_top_k
+    self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+    self.expert_layout = ShardLayout(num_experts, mesh.shape[DATA_AXIS])
+    self.ffn_layout = ShardLayout(d_ff, self.parallel_size)
+    self.router = sharded_param(router_init, rngs.params(), (d_model, num_experts),
+                                param_dtype, mesh=mesh, axis_name=axis_name, dim=None,
+                                name="router")
+    self.gate = self._expert_param(expert_init, rngs, (num_experts, d_model, d_ff), 2)
+    self.up = self._expert_param(expert_init, rngs, (num_experts, d_model, d_ff), 2)
+    self.down = self._expert_param(expert_init, rngs, (num_experts, d_ff, d_model), 1)
+    self.shared_d_ff = shared_d_ff
+    if shared_d_ff:
+      dense = dict(mesh=mesh, axis_name=axis_name, use_bias=False, dtype=dtype,
+                   param_dtype=param_dtype, precision=precision, kernel_init=kernel_init,
+                   rngs=rngs)
+      self.shared_gate = ColumnParallelDense(d_model, shared_d_ff, gather_output=False,
+                                             **dense)
+      self.shared_up = ColumnParallelDense(d_model, shared_d_ff, gather_output=False,
+                                           **dense)
+      self.shared_down = RowParallelDense(shared_d_ff, d_model, input_is_parallel=True,
+                                          **dense)
+      self.shared_expert_gate = sharded_param(kernel_init, rngs.params(), (d_model, 1),
+                                              param_dtype, mesh=mesh, axis_name=axis_name,
+                                              dim=None, name="shared_expert_gate")
+
+  def _expert_param(self, init: Any, rngs: nnx.Rngs, shape: tuple[int, int, int],
+                    ffn_dim: int) -> nnx.Param:
+    """An experts' weight drawn whole (as one ``init`` call on the logical shape), padded
+    on the experts (over "data") and the FFN width (over "model"), and placed."""
+    full = np.asarray(init(rngs.params(), shape, self.param_dtype))
+    names = [None, None, None]
+    names[0] = split_over(DATA_AXIS, self.expert_layout.parts)
+    names[ffn_dim] = split_over(self.axis_name, self.parallel_size)
+    stored = self.expert_layout.pad(self.ffn_layout.pad(full, ffn_dim), 0)
+    meta = {NAMES_KEY: tuple(names), MESH_KEY: self.mesh,
+            **keys_of(dict(layout=self.ffn_layout, dim=ffn_dim,
+                           expert_layout=self.expert_layout, expert_dim=0))}
+    return nnx.Param(place(stored, NamedSharding(self.mesh, P(*names))), **meta)
+
+  # -- inside a map -------------------------------------------------------------
+
+  def _local_experts(self) -> tuple[Array, Array, Array]:
+    """This device's ``gate, up [E_local, d, I_local]`` and ``down [E_local, I_local, d]``,
+    their FFN padding forced to zero (so its gradient is zero)."""
+    e_local, i_local = self.expert_layout.padded_size, self.ffn_layout.padded_size
+    shapes = {"gate": (e_local, self.d_model, i_local), "up": (e_local, self.d_model, i_local),
+              "down": (e_local, i_local, self.d_model)}
+    out = []
+    for name, ffn_dim in (("gate", 2), ("up", 2), ("down", 1)):
+      value = self._checked_local(name, getattr(self, name)[...], shapes[name])
+      out.append(masked(value, self.ffn_layout, ffn_dim, self.axis_name))
+    return tuple(out)
+
+  def _local(self, x: Array) -> tuple[Array, RouterStats]:
+    shape = x.shape
+    x = x.reshape(-1, self.d_model)
+    logits = jnp.dot(x.astype(jnp.float32), self.router[...].astype(jnp.float32),
+                     precision=self.precision)
+    weights, experts, probs = route(logits, self.top_k, self.normalize_top_k)
+    stats = router_stats(logits, probs, experts)
+    compute_dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
+    weights = weights.astype(compute_dtype)
+    xc = x.astype(compute_dtype)
+    layout = self.expert_layout
+    spread = layout.parts > 1  # the experts are split over "data"
+    # Each data shard has its own tokens (the step's case): every shard's tokens come
+    # to every shard. The same tokens on every shard (a replicated input): each shard
+    # runs them through its experts and the partial outputs are summed.
+    gathered = spread and is_varying(xc, DATA_AXIS)
+    if gathered:
+      xc = gather_to_parallel(xc, axis=0, axis_name=DATA_AXIS)
+      weights = gather_to_parallel(weights, axis=0, axis_name=DATA_AXIS)
+      experts = jax.lax.all_gather(experts, DATA_AXIS, axis=0, tiled=True)
+    offsets = jnp.asarray(layout.offsets, jnp.int32)
+    owner = jnp.searchsorted(offsets, experts, side="right") - 1
+    here = shard_index(DATA_AXIS) if spread else 0
+    slots = jnp.where(owner == here, experts - offsets[owner], layout.padded_size)
+    gate, up, down = (w.astype(compute_dtype) for w in self._local_experts())
+    y = grouped_swiglu(copy_to_parallel(xc, self.axis_name), slots, weights, gate, up, down,
+                       self.precision)
+    if gathered:  # each token's partial outputs back to its own shard, summed
+      y = reduce_scatter(y, axis=0, axis_name=DATA_AXIS)
+    elif spread:
+      y = all_reduce(y, "sum", DATA_AXIS)
+    y = all_reduce(y, "sum", self.axis_name)
+    if self.shared_d_ff:
+      y = y + self._shared(x.astype(compute_dtype), compute_dtype)
+    return y.reshape(shape[:-1] + (self.d_model,)), stats
+
+  def _shared(self, x: Array, compute_dtype: Any) -> Array:
+    gate, up = fused_column_parallel((self.shared_gate, self.shared_up), x)
+    shared = self.shared_down(jax.nn.silu(gate) * up)
+    gate_logit = jnp.dot(x, self.shared_expert_gate[...].astype(compute_dtype),
+                         precision=self.precision)
+    return jax.nn.sigmoid(gate_logit) * shared
+
+  # -- standalone ------------------------------------------------------------------
+
+  def __call__(self, x: Array) -> tuple[Array, RouterStats]:
+    if x.shape[-1] != self.d_model:
+      raise ValueError(f"MoE expects inputs [..., {self.d_model}], got {tuple(x.shape)}")
+    if self._is_local():
+      if not axis_is_bound(DATA_AXIS):
+        raise ValueError(f"MoE inside a shard_map needs both axes bound ({DATA_AXIS!r} and "
+                         f"{self.axis_name!r}): its experts are split over {DATA_AXIS!r}")
+      return self._local(x)
+    stats_sharding = RouterStats(*(NamedSharding(self.mesh, P()),) * 4)
+    if self.mesh.axis_types[0] != AxisType.Explicit:
+      return self._call_standalone(x)
+    out = (NamedSharding(self.mesh, P(*(None,) * x.ndim)), stats_sharding)
+    return jax.sharding.auto_axes(self._call_standalone, out_sharding=out)(x)
+
+  def _call_standalone(self, x: Array) -> tuple[Array, RouterStats]:
+    mesh = map_mesh(self.mesh)
+    tokens = x.reshape(-1, self.d_model)
+    data = self.mesh.shape[DATA_AXIS]
+    split = data > 1 and tokens.shape[0] % data == 0
+    x_spec = P(DATA_AXIS) if split else P()
+    graphdef, state = nnx.split(self)
+
+    def local(state, tokens):
+      y, stats = nnx.merge(graphdef, state)._local(tokens)
+      return y, (stats.all_reduce(DATA_AXIS) if split else stats)
+
+    y, stats = jax.jit(jax.shard_map(
+        local, mesh=mesh, in_specs=(nnx.get_partition_spec(state), x_spec),
+        out_specs=(x_spec, RouterStats(P(), P(), P(), P())), check_vma=True))(state, tokens)
+    return y.reshape(x.shape), stats

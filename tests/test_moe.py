@@ -1,0 +1,237 @@
+"""flax_tp.MoE against a loop over experts in plain JAX (MaxText's MoeLoopBlock idea):
+outputs, router statistics and losses, and every param's gradient, on meshes whose
+axes divide neither the experts nor the FFN width."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_tp
+from flax_tp.moe import (
+  MoE,
+  RouterStats,
+  grouped_swiglu,
+  load_balancing_loss,
+  route,
+  router_z_loss,
+)
+
+D_MODEL, D_FF, EXPERTS, TOP_K, SHARED_FF = 12, 10, 6, 2, 7
+TOKENS = 24  # divisible by every data axis below
+
+
+def loop_moe(p: dict, x, top_k: int, normalize: bool):
+  """The reference: every expert on every token, weighted by the routing (zero where a
+  token did not choose it); the shared expert as a plain SwiGLU with its sigmoid gate."""
+  logits = x @ p["router"]
+  probs = jax.nn.softmax(logits, axis=-1)
+  weights, experts = jax.lax.top_k(probs, top_k)
+  if normalize:
+    weights = weights / weights.sum(-1, keepdims=True)
+  y = jnp.zeros_like(x)
+  for e in range(p["gate"].shape[0]):
+    out = (jax.nn.silu(x @ p["gate"][e]) * (x @ p["up"][e])) @ p["down"][e]
+    y = y + jnp.sum(jnp.where(experts == e, weights, 0), -1)[:, None] * out
+  if "shared_gate" in p:
+    shared = (jax.nn.silu(x @ p["shared_gate"]) * (x @ p["shared_up"])) @ p["shared_down"]
+    y = y + jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared
+  # transformers' load_balancing_loss_func, written as it is there.
+  mask = jax.nn.one_hot(experts, probs.shape[-1])  # [t, k, E]
+  aux = jnp.sum(jnp.mean(mask, 0) * jnp.mean(probs, 0)[None]) * probs.shape[-1]
+  z = jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
+  return y, aux, z
+
+
+def logical_params(moe: MoE) -> dict:
+  state = flax_tp.unshard(moe)
+  out = {k: jnp.asarray(state[k][...]) for k in ("router", "gate", "up", "down")}
+  if moe.shared_d_ff:
+    out.update(shared_gate=state["shared_gate"]["kernel"][...],
+               shared_up=state["shared_up"]["kernel"][...],
+               shared_down=state["shared_down"]["kernel"][...],
+               shared_expert_gate=state["shared_expert_gate"][...])
+  return out
+
+
+def flat_grads(grads) -> dict:
+  state = flax_tp.unshard(grads)
+  flat = {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(state)}
+  rename = {"shared_gate.kernel": "shared_gate", "shared_up.kernel": "shared_up",
+            "shared_down.kernel": "shared_down"}
+  return {rename.get(k, k): v for k, v in flat.items()}
+
+
+def make_inputs():
+  return jax.random.normal(jax.random.key(1), (TOKENS // 4, 4, D_MODEL))  # [b, s, d]
+
+
+@pytest.mark.parametrize("mesh_spec,normalize,shared", [
+    ("1x1", True, False), ("1x3", False, True), ("2x4", True, True), ("1x8", True, False),
+    ("4x2", False, True), ("8x1", True, False)])
+def test_moe_equals_a_loop_over_experts(meshes, mesh_spec, normalize, shared):
+  mesh = meshes[mesh_spec]
+  moe = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=mesh, normalize_top_k=normalize,
+            shared_d_ff=SHARED_FF if shared else None, rngs=nnx.Rngs(0))
+  p = logical_params(moe)
+  # The same draws whatever the mesh: the params are drawn whole, then placed.
+  ref_moe = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=meshes["1x1"], normalize_top_k=normalize,
+                shared_d_ff=SHARED_FF if shared else None, rngs=nnx.Rngs(0))
+  for name, value in logical_params(ref_moe).items():
+    np.testing.assert_array_equal(p[name], value, err_msg=name)
+  x = make_inputs()
+  tokens = x.reshape(-1, D_MODEL)
+  # Top-k on near-ties would make the choice fragile: these inputs' margins between
+  # the k-th and the (k+1)-th probability are checked to be far above rounding.
+  probs = np.sort(np.asarray(jax.nn.softmax(tokens @ p["router"], -1)), -1)[:, ::-1]
+  assert np.min(probs[:, TOP_K - 1] - probs[:, TOP_K]) > 1e-4
+
+  y, stats = jax.jit(lambda m, x: m(x))(moe, x)
+  ref_y, ref_aux, ref_z = loop_moe(p, tokens, TOP_K, normalize)
+  np.testing.assert_allclose(y.reshape(-1, D_MODEL), ref_y, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(load_balancing_loss(stats), ref_aux, rtol=1e-6)
+  np.testing.assert_allclose(router_z_loss(stats), ref_z, rtol=1e-6)
+  assert float(stats.tokens) == TOKENS and float(stats.counts.sum()) == TOKENS * TOP_K
+
+  def loss(m):
+    y, stats = m(x)
+    return jnp.sum(y * jnp.cos(y)) + 0.1 * load_balancing_loss(stats) + 0.01 * router_z_loss(stats)
+
+  def ref_loss(p):
+    y, aux, z = loop_moe(p, tokens, TOP_K, normalize)
+    return jnp.sum(y * jnp.cos(y)) + 0.1 * aux + 0.01 * z
+
+  grads = flat_grads(jax.jit(nnx.grad(loss))(moe))
+  ref_grads = jax.grad(ref_loss)(p)
+  assert set(grads) == set(ref_grads)
+  for name, g in ref_grads.items():
+    # float32 sums in another order: within 1e-5 of the gradient's own scale.
+    np.testing.assert_allclose(grads[name], g, rtol=2e-5, atol=1e-5 * np.abs(g).max(),
+                               err_msg=name)
+    assert np.abs(g).max() > 1e-4, name  # every param's gradient is exercised
+
+
+def test_padding_stays_zero_with_zero_gradient(meshes):
+  """6 experts over 4 data shards (2, 2, 1, 1 + a zero expert on each of the last two)
+  and an FFN of 10 over 2: the stored padding is zero and so is its gradient."""
+  moe = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=meshes["4x2"], rngs=nnx.Rngs(0))
+  assert moe.gate[...].shape == (4 * 2, D_MODEL, 2 * 5)
+  x = make_inputs()
+  grads = jax.jit(nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2)))(moe)
+  for name in ("gate", "up", "down"):
+    stored = np.asarray(getattr(moe, name)[...])
+    grad = np.asarray(grads[name][...])
+    valid = moe.expert_layout.valid_mask()
+    assert np.all(stored[~valid] == 0) and np.all(grad[~valid] == 0), name
+    assert np.abs(grad[valid]).max() > 0, name
+
+
+def test_permute_then_unpermute_is_the_identity():
+  """With identity experts (gate = up = a scaled identity, down = identity) and weights
+  that sum to one, ``grouped_swiglu`` gives back each token's own vector through silu:
+  sorting by expert and scattering back loses and moves nothing."""
+  n, d, e, k = 9, 4, 3, 2
+  x = jax.random.normal(jax.random.key(0), (n, d))
+  slots = jnp.array([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0], [1, 2], [0, 2], [1, 0], [2, 1]])
+  weights = jnp.full((n, k), 0.5)
+  eye = jnp.broadcast_to(jnp.eye(d), (e, d, d))
+  y = grouped_swiglu(x, slots, weights, eye, eye, eye)  # each expert: silu(x) * x
+  np.testing.assert_allclose(y, jax.nn.silu(x) * x, rtol=1e-6)
+  # A choice handled on another shard (slot == number of local experts) adds nothing.
+  elsewhere = slots.at[:, 1].set(e)
+  y = grouped_swiglu(x, elsewhere, weights, eye, eye, eye)
+  np.testing.assert_allclose(y, 0.5 * jax.nn.silu(x) * x, rtol=1e-6)
+
+
+def test_route_normalises_only_when_asked():
+  logits = jnp.array([[2.0, 1.0, 0.5, -1.0]])
+  w, e, probs = route(logits, 2, normalize=False)
+  np.testing.assert_array_equal(e, [[0, 1]])
+  np.testing.assert_allclose(w, probs[:, :2], rtol=1e-7)
+  w, _, _ = route(logits, 2, normalize=True)
+  np.testing.assert_allclose(w.sum(), 1.0, rtol=1e-7)
+
+
+def test_stats_add_over_layers_as_transformers_concatenates():
+  """Two layers' stats added give transformers' loss of the two layers' logits
+  concatenated (its means run over the concatenation, not per layer)."""
+  keys = jax.random.split(jax.random.key(3), 2)
+  logits = [jax.random.normal(k, (5, EXPERTS)) * 2 for k in keys]
+  from flax_tp.moe import router_stats
+  stats = None
+  for lg in logits:
+    _, e, probs = route(lg, TOP_K, True)
+    s = router_stats(lg, probs, e)
+    stats = s if stats is None else stats + s
+  both = jnp.concatenate(logits)
+  probs = jax.nn.softmax(both, -1)
+  _, e = jax.lax.top_k(probs, TOP_K)
+  mask = jax.nn.one_hot(e, EXPERTS)
+  expected = jnp.sum(jnp.mean(mask, 0) * jnp.mean(probs, 0)[None]) * EXPERTS
+  np.testing.assert_allclose(load_balancing_loss(stats), expected, rtol=1e-6)
+  assert isinstance(stats, RouterStats)
+
+
+def test_bad_arguments_name_the_value(meshes):
+  with pytest.raises(ValueError, match="top_k 7 is more than num_experts 6"):
+    MoE(D_MODEL, D_FF, 6, 7, mesh=meshes["1x1"], rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="num_experts must be a positive integer, got 0"):
+    MoE(D_MODEL, D_FF, 0, 1, mesh=meshes["1x1"], rngs=nnx.Rngs(0))
+  moe = MoE(D_MODEL, D_FF, 6, 2, mesh=meshes["1x1"], rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"expects inputs \[\.\.\., 12\], got \(2, 5\)"):
+    moe(jnp.ones((2, 5)))
+
+
+def test_checkpoints_move_between_meshes_with_and_without_expert_parallelism(meshes, tmp_path):
+  """Saved on 2x4 (experts 3 + 3 over "data", FFN 5 + 5 over "model"); restored on 4x2
+  (2, 2, 1, 1 + zero experts), 1x8 (all experts on each shard: no expert parallelism)
+  and 1x1: the same logical params; the file holds each logical element once."""
+  from flax_tp.checkpoint import Checkpointer
+  source = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=meshes["2x4"], shared_d_ff=SHARED_FF,
+               rngs=nnx.Rngs(0))
+  params = nnx.state(source, nnx.Param)
+  ck = Checkpointer(tmp_path / "ck")
+  ck.save(1, {"params": params}, {"step": 1})
+  logical = sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(flax_tp.unshard(params)))
+  assert (tmp_path / "ck" / "1" / "shards.0.bin").stat().st_size == logical
+  want = logical_params(source)
+  for spec in ("4x2", "1x8", "1x1"):
+    target = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=meshes[spec], shared_d_ff=SHARED_FF,
+                 rngs=nnx.Rngs(7))  # other draws: the restore must replace them all
+    restored, _ = ck.restore({"params": nnx.state(target, nnx.Param)})
+    nnx.update(target, restored["params"])
+    for name, value in logical_params(target).items():
+      np.testing.assert_array_equal(value, want[name], err_msg=f"{spec} {name}")
+    stored = np.asarray(target.gate[...])
+    assert np.all(stored[~target.expert_layout.valid_mask()] == 0), spec
+
+
+def test_dispatch_sends_tokens_and_never_an_expert_weight(meshes):
+  """The compiled forward and backward on 2x4 (3 experts per data shard, FFN split in
+  4): over "data" the tokens, their routing and the outputs (all-gather and
+  reduce-scatter, both ways), the router statistics' sums and the replicated params'
+  gradients; over "model" the outputs' sum and the routing weights' gradient. No
+  collective carries an expert weight (each expert is used where it lives)."""
+  from flax_tp.hlo import collectives
+  mesh = meshes["2x4"]
+  moe = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=mesh, rngs=nnx.Rngs(0))
+  x = make_inputs()
+  step = jax.jit(nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2) + load_balancing_loss(m(x)[1])))
+  found = collectives(step.lower(moe).compile().as_text(), mesh)
+  local_tokens, all_tokens = TOKENS // 2, TOKENS
+  expert_shapes = {tuple(moe.gate[...].shape), tuple(moe.down[...].shape), (3, D_MODEL, 3),
+                   (3, 3, D_MODEL)}  # global and per-device blocks
+  for c in found:
+    assert not {shape for _, shape in c.operands} & expert_shapes, c
+  gathers = sorted((c.operands[0][1], c.axes) for c in found if c.kind == "all-gather")
+  # Forward: tokens, routing weights and expert ids; backward: the output cotangents.
+  assert gathers == sorted([((all_tokens, D_MODEL), ("data",)), ((all_tokens, TOP_K), ("data",)),
+                            ((all_tokens, TOP_K), ("data",)), ((all_tokens, D_MODEL), ("data",))])
+  scatters = sorted((c.operands[0][1], c.axes) for c in found if c.kind == "reduce-scatter")
+  # Forward: the outputs back to their shards; backward: the routing weights' cotangents.
+  assert scatters == sorted([((local_tokens, D_MODEL), ("data",)),
+                             ((local_tokens, TOP_K), ("data",))])
+  model_sums = [c for c in found if c.kind == "all-reduce" and c.axes == ("model",)]
+  assert sorted(s for c in model_sums for _, s in c.operands) == sorted(
+      [(local_tokens, D_MODEL), (all_tokens * TOP_K, 1)])
