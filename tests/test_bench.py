@@ -245,13 +245,13 @@ def test_mfu_bench_keeps_the_points_measured_before_an_interrupt(tmp_path, monke
 
 
 def test_profile_names_the_compiled_programs_ops():
-  """bench/profile.py reads the compiled HLO (dots, fusions, collectives) and times those
+  """bench/step_profile.py reads the compiled HLO (dots, fusions, collectives) and times those
   very ops in a jax.profiler trace of the program."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import PartitionSpec as P
 
-  from bench.profile import dot_shapes, hlo_kinds, profile_contender
+  from bench.step_profile import dot_shapes, hlo_kinds, profile_contender
   mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,),
                        devices=jax.devices()[:2])
 

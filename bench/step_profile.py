@@ -11,7 +11,7 @@ Thread time is what the host's cores spend, summed over the simulated devices; o
 2-core machine it is what the step's wall time is made of. The tracer slows every op a
 little, so compare the contenders' figures with each other, not with ``bench/run.py``'s.
 
-    python -m bench.profile --meshes 2x4,4x2 --out bench/peers_gpt/profile.json
+    python -m bench.step_profile --meshes 2x4,4x2 --out bench/peers_gpt/profile.json
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "col
 
 def parse_args(argv=None) -> argparse.Namespace:
   from train.errors import positive_int
-  p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="small", choices=["tiny", "small", "llama-125m"])
   p.add_argument("--layers", type=positive_int, default=2)
   p.add_argument("--batch-size", type=positive_int, default=16)
@@ -150,14 +150,14 @@ def main(argv=None) -> int:
   import flax_tp
   from bench import meshes_or_exit, out_path_or_exit, peers
   meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
-  meshes_or_exit(meshes, "bench.profile")
-  out_path_or_exit(args.out, "bench.profile")
+  meshes_or_exit(meshes, "bench.step_profile")
+  out_path_or_exit(args.out, "bench.step_profile")
 
   cfg = bench_config(args.preset, layers=args.layers, seq_len=args.seq_len)
   # AdamW without clipping on either side, as the gpt peer is timed in bench/run.py.
   tx = optax.adamw(1e-3)
   tokens = peers.tokens_for(cfg, args.batch_size, args.seq_len)
-  results: dict[str, Any] = {"command": " ".join(["python -m bench.profile", *(argv or sys.argv[1:])]),
+  results: dict[str, Any] = {"command": " ".join(["python -m bench.step_profile", *(argv or sys.argv[1:])]),
                              "jax": jax.__version__, "meshes": {}}
   for spec in meshes:
     mesh = flax_tp.make_mesh(spec)
