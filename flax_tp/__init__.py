@@ -14,6 +14,7 @@ from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_p
 from flax_tp.logical import load_unsharded, unshard
 from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
 from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, make_mesh, parse_mesh_spec
+from flax_tp.moe import MoE, RouterStats, load_balancing_loss, router_z_loss
 from flax_tp.norm import logical_norm
 from flax_tp.params import place_on_mesh, replicate_on_mesh
 from flax_tp.partition import (
@@ -37,17 +38,21 @@ __all__ = [
     "fused_column_parallel",
     "gather_to_parallel",
     "kept_token_count",
+    "load_balancing_loss",
     "KVHeadLayout",
     "load_unsharded",
     "logical_norm",
     "make_mesh",
     "MODEL_AXIS",
+    "MoE",
     "ParallelEmbedding",
     "parallelize",
     "parse_mesh_spec",
     "place_on_mesh",
     "reduce_scatter",
     "replicate_on_mesh",
+    "RouterStats",
+    "router_z_loss",
     "RowParallelDense",
     "SegmentedLayout",
     "shard_index",

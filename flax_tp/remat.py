@@ -54,8 +54,10 @@ def recompute_in_backward(f: Callable, state: Any, x: jax.Array, *extra: Any) ->
 
   def backward(saved, cotangent):
     state, x, extra = saved
-    # nan_to_num: a non-finite cotangent must not turn the zero into NaN.
-    zero = jnp.nan_to_num(cotangent.reshape(-1)[0].astype(jnp.float32) * 0.0)
+    # nan_to_num: a non-finite cotangent must not turn the zero into NaN. (The output may
+    # be a pytree, the block's output first: its first element's cotangent.)
+    first = jax.tree.leaves(cotangent)[0]
+    zero = jnp.nan_to_num(first.reshape(-1)[0].astype(jnp.float32) * 0.0)
     _, vjp = jax.vjp(lambda s, x: f(s, x, *extra), state, x + zero.astype(x.dtype))
     return (*vjp(cotangent), *(None for _ in extra))
 
@@ -64,14 +66,20 @@ def recompute_in_backward(f: Callable, state: Any, x: jax.Array, *extra: Any) ->
 
 
 def run_blocks(blocks: nnx.Module, x: jax.Array, call: Callable, *extra: Any,
-               num_layers: int, scanned: bool, remat: str = "none") -> jax.Array:
+               num_layers: int, scanned: bool, remat: str = "none",
+               with_aux: bool = False) -> Any:
   """``x`` through ``num_layers`` blocks in order: ``call(block, x, layer, *extra)`` each.
 
-  blocks: an ``nnx.List`` of blocks of one structure, or (``scanned``) one module of
-  their params stacked ``[num_layers, ...]``, which ``jax.lax.scan`` reads in place
-  (``layer`` is then a traced int). ``extra`` (keys, row ids) is passed through
-  unchanged and gets no gradient. Inside a ``shard_map`` over ``"data"``, each block's
-  params split over it (FSDP) are gathered at the block's start.
+  blocks: an ``nnx.List`` of blocks, or (``scanned``) one module of their params
+  stacked ``[num_layers, ...]``, which ``jax.lax.scan`` reads in place (``layer`` is
+  then a traced int). ``extra`` (keys, row ids) is passed through unchanged and gets
+  no gradient. Inside a ``shard_map`` over ``"data"``, each block's params split over
+  it (FSDP) are gathered at the block's start.
+
+  ``with_aux``: ``call`` returns ``(x, aux)``, ``aux`` a pytree of a block's side results
+  (a MoE block's router statistics) or None (a block with none; never under
+  ``scanned``). Returns ``(x, the blocks' aux stacked on a new leading axis)``, or
+  ``(x, None)`` when no block gave any.
   """
   policy = remat_policy(remat)
   if scanned:
@@ -82,22 +90,33 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, call: Callable, *extra: Any,
 
     if policy is not None:
       layer_step = jax.checkpoint(layer_step, policy=policy)
+    if with_aux:
+      return jax.lax.scan(lambda x, sl: layer_step(sl[0], x, sl[1]), x,
+                          (stacked, jnp.arange(num_layers)))
     x, _ = jax.lax.scan(lambda x, sl: (layer_step(sl[0], x, sl[1]), None), x,
                         (stacked, jnp.arange(num_layers)))
     return x
-  graphdef = nnx.graphdef(blocks[0])  # every block has the same structure
-
-  def block_step(state, x, layer):  # FSDP: this block's params gathered here
-    return call(nnx.merge(graphdef, gather_block(state)), x, layer, *extra)
-
+  auxes = []
   for layer, block in enumerate(blocks):
-    state = nnx.state(block)
+    graphdef, state = nnx.split(block)  # blocks may differ (dense and MoE layers)
+
+    def block_step(state, x, layer, graphdef=graphdef):  # FSDP: gathered here
+      return call(nnx.merge(graphdef, gather_block(state)), x, layer, *extra)
+
     if remat == "block":
-      x = recompute_in_backward(
-          lambda s, x, *e, layer=layer: call(nnx.merge(graphdef, gather_block(s)), x, layer,
-                                             *e), state, x, *extra)
+      out = recompute_in_backward(
+          lambda s, x, *e, layer=layer, graphdef=graphdef: call(
+              nnx.merge(graphdef, gather_block(s)), x, layer, *e), state, x, *extra)
     elif policy is not None:
-      x = jax.checkpoint(block_step, policy=policy, static_argnums=(2,))(state, x, layer)
+      out = jax.checkpoint(block_step, policy=policy, static_argnums=(2,))(state, x, layer)
     else:
-      x = block_step(state, x, layer)
-  return x
+      out = block_step(state, x, layer)
+    if not with_aux:
+      x = out
+      continue
+    x, aux = out
+    if aux is not None:
+      auxes.append(aux)
+  if not with_aux:
+    return x
+  return x, (jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes else None)

@@ -103,6 +103,15 @@ class TransformerConfig:
   # each residual add (Gemma 2, 3: four norms per block)
   family: str | None = None  # the HF family it reads from / writes as (models/families.py);
   # None: Llama, or Qwen2 where only q/k/v have biases
+  # -- mixture of experts (flax_tp.MoE; Mixtral, Qwen2-MoE, Qwen3-MoE). None: dense.
+  num_experts: int | None = None  # routed SwiGLU experts in each MoE layer
+  experts_per_token: int = 2  # top-k
+  expert_d_ff: int | None = None  # each expert's FFN width; None: d_ff
+  shared_expert_d_ff: int | None = None  # a shared expert with its sigmoid gate (Qwen2-MoE)
+  normalize_top_k: bool = True  # top-k weights renormalised to sum to 1 (HF norm_topk_prob)
+  moe_layers: tuple[int, ...] | None = None  # the layers that are MoE (the rest dense, of
+  # width d_ff); None: all of them
+  router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in training
   # How a step runs (sequence parallelism, remat, scanned layers, FSDP) is not here:
   # see models.execution.Execution.
 
@@ -145,6 +154,30 @@ class TransformerConfig:
                        f"{self.num_kv_heads}")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+    self._check_experts()
+
+  def _check_experts(self) -> None:
+    if self.num_experts is None:
+      return
+    if self.num_experts < 1:
+      raise ValueError(f"num_experts must be >= 1 or None, got {self.num_experts!r}")
+    if not 1 <= self.experts_per_token <= self.num_experts:
+      raise ValueError(f"experts_per_token must be in [1, num_experts={self.num_experts}], "
+                       f"got {self.experts_per_token!r}")
+    if self.mlp != "swiglu":
+      raise ValueError(f"mixture-of-experts layers are SwiGLU experts: mlp must be 'swiglu', "
+                       f"got {self.mlp!r}")
+    for name in ("expert_d_ff", "shared_expert_d_ff"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1 or None, got {value!r}")
+    if self.moe_layers is not None:
+      if not isinstance(self.moe_layers, tuple) or any(
+          not 0 <= i < self.num_layers for i in self.moe_layers):
+        raise ValueError(f"moe_layers must be a tuple of layer numbers in [0, "
+                         f"{self.num_layers}), got {self.moe_layers!r}")
+    if self.router_aux_loss_coef < 0:
+      raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
 
   def identity(self) -> dict:
     """The fields that define the model (what a checkpoint must match), as JSON holds
@@ -169,14 +202,28 @@ class TransformerConfig:
     fields = dict(fields)
     if isinstance(fields.get("rope_scaling"), dict):
       fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    if isinstance(fields.get("layer_types"), list):
-      fields["layer_types"] = tuple(fields["layer_types"])
+    for name in ("layer_types", "moe_layers"):
+      if isinstance(fields.get(name), list):
+        fields[name] = tuple(fields[name])
     return cls(**fields)
 
   @property
   def rotary_dim(self) -> int:
     """How many dims of a head rotary rotates (HF: ``int(head_dim * partial_rotary_factor)``)."""
     return int(self.head_dim * self.rotary_fraction)
+
+  def is_moe_layer(self, layer: int) -> bool:
+    """Whether block ``layer``'s MLP is a mixture of experts."""
+    return self.num_experts is not None and (self.moe_layers is None
+                                             or layer in self.moe_layers)
+
+  @property
+  def has_experts(self) -> bool:
+    return any(self.is_moe_layer(i) for i in range(self.num_layers))
+
+  @property
+  def expert_width(self) -> int:
+    return self.d_ff if self.expert_d_ff is None else self.expert_d_ff
 
   def layer_type(self, layer: int) -> str:
     return FULL if self.layer_types is None else self.layer_types[layer]
@@ -233,7 +280,8 @@ class TransformerConfig:
 ADDED_FIELDS = frozenset((
     "rope_scaling", "rotary_fraction", "rope_local_base", "qk_norm", "layer_types",
     "sliding_window", "embed_scale", "attn_scale", "attn_softcap", "final_softcap",
-    "sandwich_norm", "family"))
+    "sandwich_norm", "family", "num_experts", "experts_per_token", "expert_d_ff",
+    "shared_expert_d_ff", "normalize_top_k", "moe_layers", "router_aux_loss_coef"))
 
 
 def check_architecture_fields(overrides: dict) -> None:
@@ -256,6 +304,12 @@ PRESETS: dict[str, dict] = {
     # neither 4 nor 8, so kv heads are replicated and every split is padded.
     "llama-tiny": dict(vocab_size=259, d_model=24, num_heads=6, num_kv_heads=2, head_dim=4,
                        d_ff=90, num_layers=2, max_seq_len=16, **_LLAMA),
+    # Mixture of experts, Mixtral-style (top-2 of 6 SwiGLU experts in every layer,
+    # load-balancing loss at Mixtral's 0.02). For tests and the CLI: 6 experts and
+    # their FFN of 90 divide neither 4 nor 8, so experts and FFNs are padded.
+    "moe-tiny": dict(vocab_size=259, d_model=24, num_heads=6, num_kv_heads=2, head_dim=4,
+                     d_ff=90, num_layers=2, max_seq_len=16, num_experts=6,
+                     experts_per_token=2, router_aux_loss_coef=0.02, **_LLAMA),
     # Benchmark sizes (untied head, 32000-token vocabulary): ~125M and ~336M params.
     "llama-125m": dict(vocab_size=32000, d_model=768, num_heads=12, num_kv_heads=4,
                        head_dim=64, d_ff=2048, num_layers=12, max_seq_len=1024,

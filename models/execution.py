@@ -55,7 +55,22 @@ def set_sequence_parallel(model: Any, on: bool) -> None:
   blocks = list(model.blocks) if isinstance(model.blocks, nnx.List) else [model.blocks]
   for block in blocks:
     block.attn.o.sequence_parallel = on
+    if isinstance(block.mlp, flax_tp.MoE):
+      continue  # (refused with sequence parallelism by unsupported())
     block.mlp.down.sequence_parallel = on
+
+
+def unsupported(cfg: Any, execution: Execution) -> str | None:
+  """Why ``execution`` cannot run a model of ``cfg`` (a ``TransformerConfig``), or None."""
+  if not cfg.has_experts:
+    return None
+  if execution.sequence_parallel:
+    return ("sequence parallelism with mixture-of-experts layers is not supported yet: "
+            "run without it")
+  if execution.scan_layers and len({cfg.is_moe_layer(i) for i in range(cfg.num_layers)}) > 1:
+    return (f"scanned layers need blocks of one structure; this model mixes dense and "
+            f"mixture-of-experts layers (moe_layers={cfg.moe_layers}): run without them")
+  return None
 
 
 def apply(model: Any, execution: Execution) -> None:
@@ -63,6 +78,8 @@ def apply(model: Any, execution: Execution) -> None:
   nothing split over ``"data"``), in place, in the module docstring's order. (The params
   FSDP leaves replicated over ``"data"`` are read back from their records where they are
   reported, after a checkpoint or HF weights are loaded too.)"""
+  if why := unsupported(model.cfg, execution):
+    raise ValueError(why)
   set_sequence_parallel(model, execution.sequence_parallel)
   if execution.scan_layers:
     # One module holding every block's params stacked [num_layers, ...]: the scan

@@ -59,27 +59,91 @@ class MLP(nnx.Module):
     return self.down(ops.mlp_hidden(self.kind, gate, self.up(x_bsd)))
 
 
-class Block(nnx.Module):
+# Each expert's weight drawn with fan-in over its own input (the leading axis is the
+# experts'), as flax_tp.moe draws them.
+EXPERT_INIT = nnx.initializers.variance_scaling(
+    1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+
+class LoopMoE(nnx.Module):
+  """A mixture of SwiGLU experts as a loop: every expert runs on every token and its
+  output is weighted by the token's routing weight for it (zero if not chosen)."""
+
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    d, e, f = cfg.d_model, cfg.num_experts, cfg.expert_width
+    self.router = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, e)))
+    self.gate = nnx.Param(EXPERT_INIT(rngs.params(), (e, d, f)))
+    self.up = nnx.Param(EXPERT_INIT(rngs.params(), (e, d, f)))
+    self.down = nnx.Param(EXPERT_INIT(rngs.params(), (e, f, d)))
+    if cfg.shared_expert_d_ff:
+      dense = dict(use_bias=False, dtype=cfg.compute_dtype, rngs=rngs)
+      self.shared_gate = nnx.Linear(d, cfg.shared_expert_d_ff, **dense)
+      self.shared_up = nnx.Linear(d, cfg.shared_expert_d_ff, **dense)
+      self.shared_down = nnx.Linear(cfg.shared_expert_d_ff, d, **dense)
+      self.shared_expert_gate = nnx.Param(
+          nnx.initializers.lecun_normal()(rngs.params(), (d, 1)))
+    self.cfg = cfg
+
+  def __call__(self, x_bsd):
+    """-> (y [b, s, d], the router's logits [b * s, E] in float32)."""
+    cfg = self.cfg
+    dtype = cfg.compute_dtype
+    x = x_bsd.reshape(-1, cfg.d_model)
+    logits = x.astype(jnp.float32) @ self.router[...]
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)
+    if cfg.normalize_top_k:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights.astype(dtype)
+    xc = x.astype(dtype)
+    y = jnp.zeros_like(xc)
+    for e in range(cfg.num_experts):
+      gate, up, down = (w[...][e].astype(dtype) for w in (self.gate, self.up, self.down))
+      out = (jax.nn.silu(xc @ gate) * (xc @ up)) @ down
+      y = y + jnp.sum(jnp.where(experts == e, weights, 0), axis=-1)[:, None] * out
+    if cfg.shared_expert_d_ff:
+      shared = self.shared_down(jax.nn.silu(self.shared_gate(xc)) * self.shared_up(xc))
+      y = y + jax.nn.sigmoid(xc @ self.shared_expert_gate[...].astype(dtype)) * shared
+    return y.reshape(x_bsd.shape), logits
+
+
+def load_balancing_loss(router_logits: list, top_k: int):
+  """transformers' ``load_balancing_loss_func`` (no attention mask) of the MoE layers'
+  router logits, concatenated as it concatenates them."""
+  logits = jnp.concatenate(router_logits, axis=0)
+  probs = jax.nn.softmax(logits, axis=-1)
+  _, selected = jax.lax.top_k(probs, top_k)
+  mask = jax.nn.one_hot(selected, logits.shape[-1])  # [t, k, E]
+  tokens_per_expert = jnp.mean(mask, axis=0)
+  prob_per_expert = jnp.mean(probs, axis=0)
+  return jnp.sum(tokens_per_expert * prob_per_expert[None]) * logits.shape[-1]
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
     self.ln1 = cfg.norm_layer(rngs)
     self.attn = Attention(cfg, rngs=rngs)
     self.ln2 = cfg.norm_layer(rngs)
-    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp = LoopMoE(cfg, rngs=rngs) if cfg.is_moe_layer(layer) else MLP(cfg, rngs=rngs)
     if cfg.sandwich_norm:
       self.ln_attn_out = cfg.norm_layer(rngs)
       self.ln_mlp_out = cfg.norm_layer(rngs)
     self.cfg = cfg
 
   def __call__(self, x_bsd, key, layer):
+    """-> (x [b, s, d], the router's logits, or None for a dense MLP)."""
     rate, rows = self.cfg.dropout, jnp.arange(x_bsd.shape[0])
     attn = self.attn(self.ln1(x_bsd), key, layer)
     if self.cfg.sandwich_norm:
       attn = self.ln_attn_out(attn)
     x_bsd = x_bsd + ops.dropout(attn, ops.site_key(key, layer, ops.ATTN_OUT), rate, rows)
-    mlp = self.mlp(self.ln2(x_bsd))
+    mlp, router_logits = self.mlp(self.ln2(x_bsd)), None
+    if isinstance(self.mlp, LoopMoE):
+      mlp, router_logits = mlp
     if self.cfg.sandwich_norm:
       mlp = self.ln_mlp_out(mlp)
-    return x_bsd + ops.dropout(mlp, ops.site_key(key, layer, ops.MLP_OUT), rate, rows)
+    x_bsd = x_bsd + ops.dropout(mlp, ops.site_key(key, layer, ops.MLP_OUT), rate, rows)
+    return x_bsd, router_logits
 
 
 class ReferenceTransformer(nnx.Module):
@@ -87,23 +151,29 @@ class ReferenceTransformer(nnx.Module):
 
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=i) for i in range(cfg.num_layers)])
     self.ln_f = cfg.norm_layer(rngs)
     if not cfg.tie_embeddings:
       self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
                              dtype=cfg.compute_dtype, rngs=rngs)
     self.cfg = cfg
 
-  def __call__(self, tokens_bs, *, dropout_key=None):
+  def __call__(self, tokens_bs, *, dropout_key=None, return_router_logits=False):
+    """``return_router_logits``: also the MoE layers' router logits (a list of
+    ``[b * s, E]``, as transformers' ``output_router_logits``)."""
     cfg = self.cfg
     x = ops.scale_embeddings(cfg, self.embed(tokens_bs))
     x = ops.dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout,
                     jnp.arange(tokens_bs.shape[0]))
+    router_logits = []
     for layer, block in enumerate(self.blocks):
-      x = block(x, dropout_key, layer)
+      x, layer_logits = block(x, dropout_key, layer)
+      if layer_logits is not None:
+        router_logits.append(layer_logits)
     x = self.ln_f(x)
-    return ops.softcap_of(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
-                       cfg.final_softcap)
+    logits = ops.softcap_of(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
+                            cfg.final_softcap)
+    return (logits, router_logits) if return_router_logits else logits
 
 
 def reference_loss(model: ReferenceTransformer, tokens_bs1, *, dropout_key=None,
@@ -111,10 +181,16 @@ def reference_loss(model: ReferenceTransformer, tokens_bs1, *, dropout_key=None,
   """Mean next-token cross-entropy of ``tokens [b, s + 1]`` (optax's formula)."""
   import optax
 
-  logits = model(tokens_bs1[:, :-1], dropout_key=dropout_key).astype(jnp.float32)
+  logits, router_logits = model(tokens_bs1[:, :-1], dropout_key=dropout_key,
+                                return_router_logits=True)
+  logits = logits.astype(jnp.float32)
   targets = optax.smooth_labels(jax.nn.one_hot(tokens_bs1[:, 1:], logits.shape[-1]),
                                 label_smoothing)
   loss = optax.softmax_cross_entropy(logits, targets)
   if z_loss:
     loss = loss + z_loss * jax.nn.logsumexp(logits, axis=-1) ** 2
-  return jnp.mean(loss)
+  loss = jnp.mean(loss)
+  if router_logits and model.cfg.router_aux_loss_coef:  # as transformers' MoE models add it
+    loss = loss + model.cfg.router_aux_loss_coef * load_balancing_loss(
+        router_logits, model.cfg.experts_per_token)
+  return loss

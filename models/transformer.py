@@ -168,12 +168,20 @@ class ParallelMLP(nnx.Module):
     return self.down(hidden if seq is None else seq.for_scatter(hidden))
 
 
+def moe_layer(cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs) -> flax_tp.MoE:
+  """A block's mixture of experts: experts over "data", each expert's FFN over "model"."""
+  return flax_tp.MoE(cfg.d_model, cfg.expert_width, cfg.num_experts, cfg.experts_per_token,
+                     mesh=mesh, normalize_top_k=cfg.normalize_top_k,
+                     shared_d_ff=cfg.shared_expert_d_ff, dtype=cfg.compute_dtype, rngs=rngs)
+
+
 class ParallelBlock(nnx.Module):
-  def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+  def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs, layer: int = 0):
     self.ln1 = cfg.norm_layer(rngs)
     self.attn = ParallelAttention(cfg, mesh=mesh, rngs=rngs)
     self.ln2 = cfg.norm_layer(rngs)
-    self.mlp = ParallelMLP(cfg, mesh=mesh, rngs=rngs)
+    self.mlp = (moe_layer(cfg, mesh=mesh, rngs=rngs) if cfg.is_moe_layer(layer)
+                else ParallelMLP(cfg, mesh=mesh, rngs=rngs))
     if cfg.sandwich_norm:  # Gemma 2/3: each branch's output normed before its residual add
       self.ln_attn_out = cfg.norm_layer(rngs)
       self.ln_mlp_out = cfg.norm_layer(rngs)
@@ -185,20 +193,33 @@ class ParallelBlock(nnx.Module):
   def _mlp_out(self, x):
     return self.ln_mlp_out(x) if self.cfg.sandwich_norm else x
 
+  @property
+  def is_moe(self) -> bool:
+    return isinstance(self.mlp, flax_tp.MoE)
+
+  def _mlp(self, x_bsd, seq=None):
+    """The MLP's output and, for a MoE, its router statistics (else None)."""
+    if not self.is_moe:
+      return self.mlp(x_bsd, seq), None
+    return self.mlp(x_bsd)  # (never with seq: execution.unsupported refuses it)
+
   def extend(self, x_bsd, cache, positions, layer):
-    """Block ``layer`` on new tokens with a KV cache (no dropout: inference)."""
+    """Block ``layer`` on new tokens with a KV cache (no dropout: inference). A MoE
+    routes each new token alone, as in training."""
     attn, cache = self.attn.extend(self.ln1(x_bsd), cache, positions, layer)
     x_bsd = x_bsd + self._attn_out(attn)
-    return x_bsd + self._mlp_out(self.mlp(self.ln2(x_bsd))), cache
+    return x_bsd + self._mlp_out(self._mlp(self.ln2(x_bsd))[0]), cache
 
   def __call__(self, x_bsd, key, layer, rows, seq=None):
     """``[b, s, d]`` replicated, or with ``seq`` this device's block ``[b, s_pad, d]``
-    (norms, dropout and residuals then run on the block only)."""
+    (norms, dropout and residuals then run on the block only). A MoE block returns
+    ``(x, RouterStats)``."""
     drop = functools.partial(_dropout, rate=self.cfg.dropout, rows=rows, seq=seq)
     attn = self._attn_out(self.attn(self.ln1(x_bsd), key, layer, rows, seq))
     x_bsd = x_bsd + drop(attn, ops.site_key(key, layer, ops.ATTN_OUT))
-    mlp = self._mlp_out(self.mlp(self.ln2(x_bsd), seq))
-    return x_bsd + drop(mlp, ops.site_key(key, layer, ops.MLP_OUT))
+    mlp, stats = self._mlp(self.ln2(x_bsd), seq)
+    x_bsd = x_bsd + drop(self._mlp_out(mlp), ops.site_key(key, layer, ops.MLP_OUT))
+    return x_bsd if stats is None else (x_bsd, stats)
 
 
 class Transformer(nnx.Module):
@@ -220,8 +241,8 @@ class Transformer(nnx.Module):
                execution: Execution = Execution()):
     self.embed = flax_tp.VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, mesh=mesh,
                                                 dtype=cfg.compute_dtype, rngs=rngs)
-    self.blocks = nnx.List([ParallelBlock(cfg, mesh=mesh, rngs=rngs)
-                            for _ in range(cfg.num_layers)])
+    self.blocks = nnx.List([ParallelBlock(cfg, mesh=mesh, rngs=rngs, layer=i)
+                            for i in range(cfg.num_layers)])
     self.ln_f = cfg.norm_layer(rngs)
     if not cfg.tie_embeddings:
       self.head = flax_tp.ColumnParallelDense(cfg.d_model, cfg.vocab_size, use_bias=False,
@@ -238,8 +259,12 @@ class Transformer(nnx.Module):
     """How the logits' vocabulary dimension is split and padded."""
     return self.embed.layout
 
-  def __call__(self, tokens_bs, *, dropout_key=None):
+  def __call__(self, tokens_bs, *, dropout_key=None, return_router_stats=False):
+    """``return_router_stats`` (inside a map, a model with MoE layers): also the sum of
+    the MoE layers' ``flax_tp.moe.RouterStats`` over this data shard's tokens."""
     if not flax_tp.axis_is_bound(flax_tp.MODEL_AXIS):
+      if return_router_stats:
+        raise ValueError("return_router_stats is for a call inside the step's shard_map")
       return self._standalone(tokens_bs, dropout_key)
     cfg = self.cfg
     rows = global_rows(tokens_bs.shape[0])
@@ -252,20 +277,32 @@ class Transformer(nnx.Module):
     if seq is not None:
       x = seq.zero_padding(x)
     x = _dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout, rows, seq)
-    x = self._blocks(x, dropout_key, rows, seq)
+    x, stats = self._blocks(x, dropout_key, rows, seq)
     x = self.ln_f(x)
     x = flax_tp.copy_to_parallel(x) if seq is None else seq.gather(x)
-    return ops.softcap_of(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
-                       cfg.final_softcap)
+    logits = ops.softcap_of(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
+                            cfg.final_softcap)
+    return (logits, stats) if return_router_stats else logits
 
   def _blocks(self, x, key, rows, seq):
     """The blocks in order (``flax_tp.remat.run_blocks``): a Python loop, or one
-    ``lax.scan`` over their stacked params; each recomputed in backward under ``remat``."""
+    ``lax.scan`` over their stacked params; each recomputed in backward under ``remat``.
+    Returns ``(x, the MoE layers' RouterStats summed, or None)``."""
     execution = self.execution
-    return run_blocks(self.blocks, x,
-                      lambda block, x, layer, key, rows: block(x, key, layer, rows, seq),
-                      key, rows, num_layers=self.cfg.num_layers,
-                      scanned=execution.scan_layers, remat=execution.remat)
+    if not self.cfg.has_experts:
+      return run_blocks(self.blocks, x,
+                        lambda block, x, layer, key, rows: block(x, key, layer, rows, seq),
+                        key, rows, num_layers=self.cfg.num_layers,
+                        scanned=execution.scan_layers, remat=execution.remat), None
+
+    def call(block, x, layer, key, rows):
+      out = block(x, key, layer, rows, seq)
+      return out if block.is_moe else (out, None)
+
+    x, stats = run_blocks(self.blocks, x, call, key, rows, num_layers=self.cfg.num_layers,
+                          scanned=execution.scan_layers, remat=execution.remat,
+                          with_aux=True)
+    return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
 
   def _each_block(self):
     """The blocks one by one (a stacked model's as views of one layer's params)."""

@@ -72,18 +72,22 @@ def assert_state_close(parallel_state, flax_state, **tol):
 
 
 def assert_padding_zero(module_or_state):
-  """Every stored padding element of every sharded param is exactly zero."""
+  """Every stored padding element of every sharded param is exactly zero (on the dim split
+  over "model", and a mixture of experts' experts over "data"); returns how many padded
+  dims were checked."""
+  from flax_tp.param_info import ParamInfo
   state = (nnx.state(module_or_state, nnx.Param) if isinstance(module_or_state, nnx.Module)
            else module_or_state)
   checked = 0
   for path, var in nnx.to_flat_state(state):
-    layout = var.get_metadata().get("tp_layout")
-    if layout is None or layout.is_even:
-      continue
-    stored = np.asarray(var[...])
-    pad = np.take(stored, np.flatnonzero(~layout.valid_mask()), axis=var.get_metadata()["tp_dim"])
-    assert pad.size and not np.any(pad), f"padding of {path} is not zero"
-    checked += 1
+    info = ParamInfo.of(var)
+    for layout, dim in ((info.layout, info.dim), (info.expert_layout, info.expert_dim)):
+      if layout is None or layout.is_even:
+        continue
+      stored = np.asarray(var[...])
+      pad = np.take(stored, np.flatnonzero(~layout.valid_mask()), axis=dim)
+      assert pad.size and not np.any(pad), f"padding of {path} (dim {dim}) is not zero"
+      checked += 1
   return checked
 
 

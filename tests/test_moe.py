@@ -88,7 +88,7 @@ def test_moe_equals_a_loop_over_experts(meshes, mesh_spec, normalize, shared):
   assert np.min(probs[:, TOP_K - 1] - probs[:, TOP_K]) > 1e-4
 
   y, stats = jax.jit(lambda m, x: m(x))(moe, x)
-  ref_y, ref_aux, ref_z = loop_moe(p, tokens, TOP_K, normalize)
+  ref_y, ref_aux, ref_z = jax.jit(loop_moe, static_argnums=(2, 3))(p, tokens, TOP_K, normalize)
   np.testing.assert_allclose(y.reshape(-1, D_MODEL), ref_y, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(load_balancing_loss(stats), ref_aux, rtol=1e-6)
   np.testing.assert_allclose(router_z_loss(stats), ref_z, rtol=1e-6)
@@ -103,7 +103,7 @@ def test_moe_equals_a_loop_over_experts(meshes, mesh_spec, normalize, shared):
     return jnp.sum(y * jnp.cos(y)) + 0.1 * aux + 0.01 * z
 
   grads = flat_grads(jax.jit(nnx.grad(loss))(moe))
-  ref_grads = jax.grad(ref_loss)(p)
+  ref_grads = jax.jit(jax.grad(ref_loss))(p)
   assert set(grads) == set(ref_grads)
   for name, g in ref_grads.items():
     # float32 sums in another order: within 1e-5 of the gradient's own scale.
@@ -235,3 +235,124 @@ def test_dispatch_sends_tokens_and_never_an_expert_weight(meshes):
   model_sums = [c for c in found if c.kind == "all-reduce" and c.axes == ("model",)]
   assert sorted(s for c in model_sums for _, s in c.operands) == sorted(
       [(local_tokens, D_MODEL), (all_tokens * TOP_K, 1)])
+
+
+# -- the transformer with MoE layers ----------------------------------------------------
+
+MOE_CFG = dict(num_experts=6, experts_per_token=2, expert_d_ff=10, shared_expert_d_ff=7,
+               router_aux_loss_coef=0.1)
+
+
+def moe_reference_run(cfg, tokens, steps=3):
+  """Losses (with the load-balancing term), first gradients and final params of
+  plain-Flax training of the loop-over-experts reference."""
+  import optax
+
+  from models.reference import ReferenceTransformer, reference_loss
+  from train.step import make_optimizer
+  model = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  opt = make_optimizer(lr=1e-3, steps=steps, warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
+  opt_state = opt.init(params)
+
+  @jax.jit
+  def step(params, opt_state):
+    loss, grads = jax.value_and_grad(
+        lambda p: reference_loss(nnx.merge(graphdef, p), tokens))(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, grads
+
+  losses, first = [], None
+  for _ in range(steps):
+    params, opt_state, loss, grads = step(params, opt_state)
+    losses.append(float(loss))
+    first = grads if first is None else first
+  return model, losses, first, params
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+  from models.config import TransformerConfig
+  cfg = TransformerConfig.preset("llama-tiny", **MOE_CFG)
+  tokens = jax.random.randint(jax.random.key(1), (8, cfg.max_seq_len + 1), 0, cfg.vocab_size)
+  return (cfg, tokens, *moe_reference_run(cfg, tokens))
+
+
+@pytest.mark.parametrize("mesh_spec,options", [
+    ("2x4", {}),
+    ("4x2", {"scan_layers": True, "fsdp": True, "remat": "block"}),
+    pytest.param("1x1", {}, marks=pytest.mark.slow),
+    pytest.param("1x3", {"remat": "dots_saveable"}, marks=pytest.mark.slow),
+    pytest.param("1x8", {"scan_layers": True}, marks=pytest.mark.slow),
+    pytest.param("2x4", {"fsdp": True}, marks=pytest.mark.slow)])
+def test_transformer_with_experts_trains_as_the_reference(meshes, moe_reference, mesh_spec,
+                                                          options):
+  """A Llama-style model whose MLPs are MoE (6 experts, FFN 10, a shared expert of 7,
+  load-balancing loss at 0.1), against the plain-Flax reference that loops over
+  experts: init, logits, loss and every gradient (the load-balancing term's too, so its
+  gradient does not depend on the mesh), then 3 AdamW steps."""
+  from models.execution import Execution
+  from models.transformer import Transformer
+  from tests.helpers import assert_padding_zero, assert_state_close
+  from train.step import Trainer, make_optimizer
+  cfg, tokens, ref_model, ref_losses, ref_grads, ref_params = moe_reference
+  model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0),
+                      execution=Execution(**options))
+  assert_state_close(model, ref_model, rtol=0, atol=0)
+  np.testing.assert_allclose(jax.jit(lambda t: model(t))(tokens[:, :-1]),
+                             jax.jit(lambda t: ref_model(t))(tokens[:, :-1]), rtol=1e-5,
+                             atol=1e-5)
+  trainer = Trainer(model, make_optimizer(lr=1e-3, steps=3, warmup_steps=0, weight_decay=0.1,
+                                          grad_clip=1.0))
+  placed = jax.device_put(tokens, trainer.batch_sharding)
+  loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, placed)
+  np.testing.assert_allclose(loss, ref_losses[0], rtol=1e-6)
+  assert_state_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
+  params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
+  losses = []
+  for _ in range(3):
+    params, opt_state, out = trainer.train_step(params, opt_state, placed, None)
+    losses.append(float(out["loss"]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_state_close(params, ref_params, rtol=1e-5, atol=1e-5)
+  assert out["expert_load"].shape == (6,)
+  np.testing.assert_allclose(float(out["expert_load"].sum()), 1.0, rtol=1e-6)  # shares
+  if mesh_spec in ("2x4", "4x2"):
+    assert assert_padding_zero(params) > 0
+
+
+def test_unsupported_executions_are_refused_by_name(meshes):
+  from models.config import TransformerConfig
+  from models.execution import Execution
+  from models.transformer import Transformer
+  cfg = TransformerConfig.preset("moe-tiny")
+  with pytest.raises(ValueError, match="sequence parallelism with mixture-of-experts"):
+    Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0),
+                execution=Execution(sequence_parallel=True))
+  mixed = TransformerConfig.preset("moe-tiny", moe_layers=(1,))
+  with pytest.raises(ValueError, match=r"mixes dense and mixture-of-experts layers \(moe_layers"):
+    Transformer(mixed, mesh=meshes["2x4"], rngs=nnx.Rngs(0),
+                execution=Execution(scan_layers=True))
+  with pytest.raises(ValueError, match="experts_per_token must be in \\[1, num_experts=6\\], got 7"):
+    TransformerConfig.preset("moe-tiny", experts_per_token=7)
+  with pytest.raises(ValueError, match="mlp must be 'swiglu', got 'gelu'"):
+    TransformerConfig.preset("moe-tiny", mlp="gelu")
+
+
+def test_dense_and_moe_layers_mixed(meshes):
+  """moe_layers=(1,): block 0 a dense SwiGLU of d_ff 90, block 1 experts; equal to the
+  reference (which builds the same mix)."""
+  from models.config import TransformerConfig
+  from models.reference import ReferenceTransformer, reference_loss
+  from models.transformer import Transformer
+  from train.step import Trainer, make_optimizer
+  cfg = TransformerConfig.preset("moe-tiny", moe_layers=(1,))
+  model = Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0))
+  assert not model.blocks[0].is_moe and model.blocks[1].is_moe
+  ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, cfg.vocab_size)
+  trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
+  loss, _ = jax.jit(trainer.loss_and_grads)(trainer.params,
+                                            jax.device_put(tokens, trainer.batch_sharding))
+  np.testing.assert_allclose(loss, jax.jit(lambda t: reference_loss(ref, t))(tokens),
+                             rtol=1e-6)

@@ -40,6 +40,15 @@ class OptimizerJob:
 class LossJob:
   label_smoothing: float = 0.0
   z_loss: float = 0.0
+  router_z_loss: float = 0.0  # mixture of experts: the router z-loss's weight
+
+  def identity(self) -> dict:
+    """The fields as a run's identity holds them: one added after runs were written
+    (``router_z_loss``) is left out at its default, so those runs still resume."""
+    out = dataclasses.asdict(self)
+    if out["router_z_loss"] == 0.0:
+      del out["router_z_loss"]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +107,8 @@ class Job:
                           scan_layers="scan_layers", fsdp="fsdp"),
         optimizer=section(OptimizerJob, lr="lr", warmup_steps="warmup_steps",
                           weight_decay="weight_decay", grad_clip="grad_clip"),
-        loss=section(LossJob, label_smoothing="label_smoothing", z_loss="z_loss"),
+        loss=section(LossJob, label_smoothing="label_smoothing", z_loss="z_loss",
+                     router_z_loss="router_z_loss"),
         schedule=section(ScheduleJob, steps="steps", batch_size="batch_size", seed="seed",
                          eval_every="eval_every"),
         checkpoint=section(CheckpointJob, dir="checkpoint_dir", every="checkpoint_every",

@@ -149,6 +149,10 @@ class _Run(SetUp):
         done = step + 1
         record = {"step": done, "loss": loss, "grad_norm": float(out["grad_norm"]),
                   "tokens_per_s": round(self.rate, 1), "step_time_s": round(elapsed, 4)}
+        if "expert_load" in out:  # mixture of experts: the router's figures
+          record.update(router_aux_loss=float(out["router_aux_loss"]),
+                        router_z_loss=float(out["router_z_loss"]),
+                        expert_load=[round(float(v), 5) for v in out["expert_load"]])
         if (schedule.eval_every and done % schedule.eval_every == 0) or done == steps:
           self.last_eval = record["eval_loss"] = self.evaluate()
           progress.console.print(f"step {done}: train loss {loss:.4f}, eval loss "

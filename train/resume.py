@@ -27,7 +27,7 @@ def run_identity(job: Job, cfg: TransformerConfig,
               seq_len=job.model.seq_len, data=corpus.source, tokenizer=corpus.tokenizer.name,
               init_from=str(Path(job.model.init_from).resolve()) if job.model.init_from else None,
               # lr, warmup_steps, weight_decay, grad_clip; label_smoothing, z_loss
-              optimizer=dataclasses.asdict(job.optimizer), loss=dataclasses.asdict(job.loss))
+              optimizer=dataclasses.asdict(job.optimizer), loss=job.loss.identity())
 
 
 def _differences(saved: dict[str, Any], ours: dict[str, Any], prefix: str = "") -> list[str]:

@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="label smoothing over the whole vocabulary (as optax's smooth_labels)")
   p.add_argument("--z-loss", type=float, default=0.0,
                  help="weight of the z-loss (logsumexp squared) added to the loss")
+  p.add_argument("--router-z-loss", type=float, default=0.0,
+                 help="mixture of experts: weight of the router z-loss (the router logits' "
+                      "logsumexp squared, ST-MoE) added to the loss; the load-balancing "
+                      "loss's weight is the model's router_aux_loss_coef")
   p.add_argument("--dropout", type=float, default=d["dropout"],
                  help="dropout rate; masks do not depend on the mesh")
   p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"],
@@ -147,6 +151,7 @@ def check_args(args: argparse.Namespace) -> None:
                   "grad_clip": ("a number >= 0 (0: off)", lambda v: v >= 0),
                   "label_smoothing": ("a number in [0, 1]", lambda v: 0 <= v <= 1),
                   "z_loss": ("a number >= 0", lambda v: v >= 0),
+                  "router_z_loss": ("a number >= 0", lambda v: v >= 0),
                   "dropout": ("a number in [0, 1)", lambda v: 0 <= v < 1)}
   for name, (expected, ok) in float_ranges.items():
     value = getattr(args, name)

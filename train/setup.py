@@ -12,6 +12,7 @@ from rich.console import Console
 import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError
 from flax_tp.param_info import ParamInfo
+from models import execution as execution_lib
 from models.config import TransformerConfig
 from models.hf import load_hf
 from models.transformer import Transformer
@@ -69,6 +70,8 @@ class SetUp:
       self.cfg, tokenizer = hf_model_and_tokenizer(job.model.init_from, overrides)
     else:
       self.cfg = TransformerConfig.preset(job.model.preset_name, **overrides)
+    if why := execution_lib.unsupported(self.cfg, self.execution):
+      raise UsageError(why)
     self.checkpointer = None
     if job.checkpoint.dir:
       self.checkpointer = Checkpointer(job.checkpoint.dir,
@@ -105,7 +108,8 @@ class SetUp:
     opt = job.optimizer
     tx = make_optimizer(lr=opt.lr, steps=job.schedule.steps, warmup_steps=opt.warmup_steps,
                         weight_decay=opt.weight_decay, grad_clip=opt.grad_clip)
-    self.trainer = Trainer(model, tx, LossOptions(job.loss.label_smoothing, job.loss.z_loss))
+    self.trainer = Trainer(model, tx, LossOptions(job.loss.label_smoothing, job.loss.z_loss,
+                                                  router_z_loss=job.loss.router_z_loss))
     del model
     self.params = self.trainer.params
     self.opt_state = self.trainer.init_opt_state(self.params)
@@ -136,13 +140,15 @@ class SetUp:
                   f"sharded {_mib(summary['sharded_bytes_per_device'])}, replicated "
                   f"{_mib(summary['replicated_bytes_per_device'])}"
                   + (f" | {', '.join(options)}" if options else ""))
+    if self.cfg.has_experts:
+      console.print(experts_line(self.cfg, data_size, mesh.shape[flax_tp.MODEL_AXIS]))
     console.print(f"data: {self.corpus.describe()} | unigram entropy "
                   f"{self.corpus.unigram_entropy():.3f} nats | batch {job.schedule.batch_size} x "
                   f"{job.model.seq_len} tokens")
     notes = self.notes
     if self.execution.fsdp and data_size > 1:  # never silently less sharded than asked
       whole = [".".join(map(str, path)) for path, var in nnx.to_flat_state(self.params)
-               if not ParamInfo.of(var).over_data]
+               if not (ParamInfo.of(var).over_data or ParamInfo.of(var).over_experts)]
       if whole:
         notes.append(f"note: --fsdp leaves {len(whole)} param(s) replicated over the "
                      f"{data_size}-way data axis, which divides none of their dimensions: "
@@ -151,3 +157,20 @@ class SetUp:
       console.print(note, markup=False)
     if self.start:
       console.print(f"resumed from step {self.start} in {job.checkpoint.dir!r}")
+
+
+def experts_line(cfg, data: int, model: int) -> str:
+  """The start-up line saying how a mixture of experts is laid out on the mesh."""
+  experts = flax_tp.ShardLayout(cfg.num_experts, data)
+  ffn = flax_tp.ShardLayout(cfg.expert_width, model)
+  layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+  per_shard = ", ".join(map(str, experts.sizes))
+  padded = "" if experts.is_even else f" (padded to {experts.padded_size})"
+  dispatch = ("tokens all-gathered over data, outputs reduce-scattered back" if data > 1
+              else "every expert on every device: no dispatch")
+  shared = (f" | shared expert FFN {cfg.shared_expert_d_ff}" if cfg.shared_expert_d_ff
+            else "")
+  return (f"experts: {cfg.num_experts} in each of {layers} MoE layer(s), top-"
+          f"{cfg.experts_per_token} | over data: {per_shard} per shard{padded} | each "
+          f"expert's FFN {cfg.expert_width} over model: {', '.join(map(str, ffn.sizes))}"
+          f"{shared} | {dispatch}")

@@ -85,6 +85,18 @@ class LossOptions:
   # Labels equal to this (HF's -100) are left out of the mean, which is taken
   # over the kept tokens of the whole global batch.
   ignore_index: int | None = None
+  # Mixture of experts: the router z-loss's weight (ST-MoE). The load-balancing loss's
+  # weight is the model's (TransformerConfig.router_aux_loss_coef, from the HF config).
+  router_z_loss: float = 0.0
+
+
+def moe_metrics(stats: flax_tp.RouterStats, num_experts: int, top_k: int) -> dict[str, Any]:
+  """A step's mixture-of-experts figures from its global router statistics (every MoE
+  layer and token): the load-balancing and z losses (unweighted) and each expert's share
+  of the routed choices, summed over layers (1 / num_experts each when balanced)."""
+  return {"router_aux_loss": flax_tp.load_balancing_loss(stats),
+          "router_z_loss": flax_tp.router_z_loss(stats),
+          "expert_load": stats.counts / (stats.tokens * top_k)}
 
 
 class Trainer:
@@ -132,11 +144,17 @@ class Trainer:
   # -- the step ----------------------------------------------------------------
 
   def _local_loss(self, params: nnx.State, tokens: jax.Array, key: jax.Array | None,
-                  labels: jax.Array | None = None, options: LossOptions = LossOptions()):
+                  labels: jax.Array | None = None, options: LossOptions = LossOptions(),
+                  with_router: bool = False, router_losses: bool = True):
     """Mean loss over the *global* batch from this device's shard: summed over "data".
 
     ``labels`` ``[b, S]`` (default: ``tokens[:, 1:]``) may hold
-    ``options.ignore_index`` to leave tokens out (a prompt in fine-tuning).
+    ``options.ignore_index`` to leave tokens out (a prompt in fine-tuning). A model with
+    mixture-of-experts layers adds ``router_aux_loss_coef`` times the load-balancing loss
+    and ``options.router_z_loss`` times the router z-loss, both over the global batch
+    and every MoE layer (as transformers concatenates the layers' router logits).
+    ``with_router``: returns ``(loss, the global RouterStats or None)``;
+    ``router_losses=False``: the cross-entropy alone (the eval loss).
     """
     # Mark the params as per-replica once, here: backward then sums each param's
     # gradient locally (the tied embedding is used twice) and all-reduces it over
@@ -144,7 +162,12 @@ class Trainer:
     # all-gathered here instead (a block's by the block), its gradient reduce-scattered.
     params = gather_for_step(params)
     model = nnx.merge(self.graphdef, params)
-    logits = model(tokens[:, :-1], dropout_key=key)
+    stats = None
+    if self.cfg.has_experts:
+      logits, stats = model(tokens[:, :-1], dropout_key=key, return_router_stats=True)
+      stats = stats.all_reduce(flax_tp.DATA_AXIS)
+    else:
+      logits = model(tokens[:, :-1], dropout_key=key)
     labels = tokens[:, 1:] if labels is None else labels
     per_token = flax_tp.vocab_parallel_cross_entropy(
         logits, labels, vocab_size=self.cfg.vocab_size,
@@ -155,7 +178,13 @@ class Trainer:
     else:
       kept = flax_tp.kept_token_count(labels, options.ignore_index)
       global_count = jnp.maximum(flax_tp.all_reduce(kept, "sum", flax_tp.DATA_AXIS), 1.0)
-    return flax_tp.all_reduce(per_token.sum() / global_count, "sum", flax_tp.DATA_AXIS)
+    loss = flax_tp.all_reduce(per_token.sum() / global_count, "sum", flax_tp.DATA_AXIS)
+    if stats is not None and router_losses:
+      if self.cfg.router_aux_loss_coef:
+        loss = loss + self.cfg.router_aux_loss_coef * flax_tp.load_balancing_loss(stats)
+      if options.router_z_loss:
+        loss = loss + options.router_z_loss * flax_tp.router_z_loss(stats)
+    return (loss, stats) if with_router else loss
 
   def _map(self, fn: Callable, out_specs: Any, with_labels: bool = False) -> Callable:
     labels = (self.batch_spec,) if with_labels else ()
@@ -170,13 +199,24 @@ class Trainer:
     return mapped(params, tokens, key, *(() if labels is None else (labels,)))
 
   def _train_step(self, params, opt_state, tokens, key):
-    loss, grads = self.loss_and_grads(params, tokens, key)
+    metrics = {}
+    if self.cfg.has_experts:
+      loss = functools.partial(self._local_loss, options=self.loss_options, with_router=True)
+      stats_specs = flax_tp.RouterStats(P(), P(), P(), P())
+      (loss, stats), grads = self._map(jax.value_and_grad(loss, has_aux=True),
+                                       ((P(), stats_specs), self.specs))(params, tokens, key)
+      metrics.update(moe_metrics(stats, self.cfg.num_experts, self.cfg.experts_per_token))
+    else:
+      loss, grads = self.loss_and_grads(params, tokens, key)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "grad_norm": flax_tp.logical_norm(grads)}
+    return params, opt_state, {"loss": loss, "grad_norm": flax_tp.logical_norm(grads),
+                               **metrics}
 
   def _eval_loss(self, params, tokens):
-    # Plain cross-entropy (no smoothing, no z-loss): comparable across runs.
-    return self._map(self._local_loss, P())(params, tokens, None)
+    # Plain cross-entropy (no smoothing, no z-loss, no router losses): comparable
+    # across runs.
+    return self._map(functools.partial(self._local_loss, router_losses=False), P())(
+        params, tokens, None)
 
 
