@@ -245,6 +245,11 @@ class Family:
   read: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
   write: Callable[[TransformerConfig], dict[str, Any]]
   fused: bool = False
+  # Mixture of experts: the prefix of a layer's MoE tensors in the per-expert form
+  # transformers' save_pretrained writes (Mixtral's "block_sparse_moe", Qwen's "mlp"),
+  # and the names of an expert's gate, up and down there. None: a dense family.
+  moe_prefix: str | None = None
+  expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
   @property
   def name(self) -> str | None:
@@ -407,6 +412,99 @@ def _gemma3_write(cfg):
   return out
 
 
+def _experts(hf: dict[str, Any], shared: dict[str, Any], *, count: tuple[str, ...],
+             expert_width: str | None, normalize: bool | None) -> dict[str, Any]:
+  """The mixture-of-experts fields of a MoE family's config.json. ``count``: the fields
+  that may hold the number of experts (transformers maps one onto the other);
+  ``expert_width``: the field of each expert's FFN width (None: ``intermediate_size``);
+  ``normalize``: Mixtral always renormalises its top-k (True), Qwen reads
+  ``norm_topk_prob`` (None)."""
+  field = next((f for f in count if hf.get(f) is not None), count[0])
+  if hf.get("router_jitter_noise"):
+    raise HFConfigError(f"router_jitter_noise {hf['router_jitter_noise']!r} is not implemented "
+                        "(flax_tp's router adds no noise in training)")
+  fields = dict(num_experts=_number(hf, field, integer=True),
+                experts_per_token=_number(hf, "num_experts_per_tok", integer=True),
+                normalize_top_k=(_flag(hf, "norm_topk_prob", False) if normalize is None
+                                 else normalize),
+                # transformers adds the load-balancing loss only with output_router_logits
+                router_aux_loss_coef=(float(hf.get("router_aux_loss_coef") or 0.0)
+                                      if _flag(hf, "output_router_logits", False) else 0.0))
+  if expert_width is not None:
+    fields["expert_d_ff"] = _number(hf, expert_width, integer=True)
+  step = _number(hf, "decoder_sparse_step", 1, integer=True)
+  only = hf.get("mlp_only_layers") or []
+  if not isinstance(only, list) or any(not isinstance(i, int) for i in only):
+    raise HFConfigError(f"config.json field 'mlp_only_layers' is {only!r}; expected a list of "
+                        "layer numbers")
+  layers = shared["num_layers"]
+  moe = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
+  fields["moe_layers"] = None if len(moe) == layers else moe
+  return fields
+
+
+def _experts_out(cfg: TransformerConfig, family: str, count: str,
+                 expert_width: str | None) -> dict[str, Any]:
+  if not cfg.has_experts:
+    raise HFConfigError(f"{family} is a mixture of experts; this model has none")
+  out = {count: cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+         "router_aux_loss_coef": cfg.router_aux_loss_coef,
+         "output_router_logits": cfg.router_aux_loss_coef > 0}
+  if expert_width is not None:
+    out[expert_width] = cfg.expert_width
+    out["norm_topk_prob"] = cfg.normalize_top_k
+    out["decoder_sparse_step"] = 1
+    out["mlp_only_layers"] = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+  else:
+    _require(cfg, family, normalize_top_k=True, moe_layers=None, shared_expert_d_ff=None,
+             expert_d_ff=None)
+  return out
+
+
+def _mixtral_read(hf, shared):
+  return dict(_mistral_read(hf, shared), **_experts(
+      hf, shared, count=("num_local_experts", "num_experts"), expert_width=None,
+      normalize=True))
+
+
+def _mixtral_write(cfg):
+  return dict(_mistral_write(cfg), **_experts_out(cfg, "mixtral", "num_local_experts", None))
+
+
+def _qwen2_moe_read(hf, shared):
+  fields = dict(qkv_bias=_flag(hf, "qkv_bias", True), attn_out_bias=False, mlp_bias=False,
+                mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}),
+                **_qwen_windows(hf, shared["num_layers"]))
+  fields.update(_experts(hf, shared, count=("num_experts", "num_local_experts"),
+                         expert_width="moe_intermediate_size", normalize=None))
+  fields["shared_expert_d_ff"] = _optional(hf, "shared_expert_intermediate_size",
+                                           integer=True)
+  return fields
+
+
+def _qwen2_moe_write(cfg):
+  _require(cfg, "qwen2_moe", norm="rmsnorm", mlp="swiglu", qk_norm=False, attn_out_bias=False,
+           mlp_bias=False, rotary_fraction=1.0, **_NO_GEMMA)
+  if not cfg.shared_expert_d_ff:
+    raise HFConfigError("qwen2_moe has a shared expert; this model has none "
+                        "(shared_expert_d_ff is None): write it as qwen3_moe")
+  return dict(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.shared_expert_d_ff,
+              **_qwen_windows_out(cfg),
+              **_experts_out(cfg, "qwen2_moe", "num_experts", "moe_intermediate_size"))
+
+
+def _qwen3_moe_read(hf, shared):
+  return dict(_qwen3_read(hf, shared), **_experts(
+      hf, shared, count=("num_experts", "num_local_experts"),
+      expert_width="moe_intermediate_size", normalize=None))
+
+
+def _qwen3_moe_write(cfg):
+  _require(cfg, "qwen3_moe", shared_expert_d_ff=None)
+  return dict(_qwen3_write(cfg), **_experts_out(cfg, "qwen3_moe", "num_experts",
+                                                "moe_intermediate_size"))
+
+
 def _phi3_read(hf, shared):
   return dict(qkv_bias=False, attn_out_bias=False, mlp_bias=False,
               mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}),
@@ -433,6 +531,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma2", "Gemma2ForCausalLM", _gemma2_read, _gemma2_write),
     Family("gemma3_text", "Gemma3ForCausalLM", _gemma3_read, _gemma3_write),
     Family("phi3", "Phi3ForCausalLM", _phi3_read, _phi3_write, fused=True),
+    Family("mixtral", "MixtralForCausalLM", _mixtral_read, _mixtral_write,
+           moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", _qwen2_moe_read, _qwen2_moe_write,
+           moe_prefix="mlp"),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_read, _qwen3_moe_write,
+           moe_prefix="mlp"),
 )}
 SUPPORTED = tuple(FAMILIES)
 
@@ -504,6 +608,9 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
   """The HF ``config.json`` of ``cfg`` as its family writes it (``HFConfigError`` for a
   config no family represents)."""
   family = family_for(cfg)
+  if cfg.has_experts and family.moe_prefix is None:
+    raise HFConfigError(f"this model has mixture-of-experts layers, which {family.model_type} "
+                        "cannot hold (a MoE family is mixtral, qwen2_moe or qwen3_moe)")
   if cfg.norm not in ("rmsnorm", "rmsnorm_offset") or cfg.mlp not in ("swiglu", "geglu"):
     raise HFConfigError(f"norm={cfg.norm!r}, mlp={cfg.mlp!r} has no HF equivalent (needs "
                         "norm='rmsnorm', mlp='swiglu' as Llama, or a family's own)")
@@ -533,22 +640,54 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class HFTensor:
   """One tensor of an HF checkpoint: its name, the flax_tp params it holds (one, or
-  several fused along its first dim with ``sizes`` rows each), and whether it is stored
-  transposed (HF's ``[out, in]`` against flax's ``kernel [in, out]``)."""
+  several fused along its rows with ``sizes`` rows each: the first dim of a matrix, the
+  second of a stack of experts' ``[E, out, in]``), and whether it is stored transposed
+  (HF's ``[..., out, in]`` against flax's ``kernel [..., in, out]``). ``expert``: the
+  tensor is that expert's slice of the param (``[E, ...]``; transformers'
+  per-expert layout)."""
 
   name: str
   paths: tuple[tuple, ...]
   transposed: bool
   sizes: tuple[int, ...] | None = None
+  expert: int | None = None
 
 
 _ATTENTION = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"))
 _MLP_IN = (("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"))
 
 
-def tensor_names(cfg: TransformerConfig) -> Iterator[HFTensor]:
-  """Every tensor of ``cfg``'s HF checkpoint, in its family's names."""
-  fused = family_for(cfg).fused
+def _moe_tensors(cfg: TransformerConfig, family: Family, layer: str, at: Callable,
+                 experts_fused: bool) -> Iterator[HFTensor]:
+  """A MoE layer's tensors: the router, the experts (one tensor per expert and weight,
+  as ``save_pretrained`` writes them; or ``experts_fused``, transformers 5's in-memory
+  ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` under ``mlp``), and a shared
+  expert with its gate."""
+  prefix = "mlp" if experts_fused else family.moe_prefix
+  yield HFTensor(f"{layer}.{prefix}.gate.weight", (at("mlp", "router"),), True)
+  if experts_fused:
+    yield HFTensor(f"{layer}.mlp.experts.gate_up_proj", (at("mlp", "gate"), at("mlp", "up")),
+                   True, (cfg.expert_width, cfg.expert_width))
+    yield HFTensor(f"{layer}.mlp.experts.down_proj", (at("mlp", "down"),), True)
+  else:
+    for n in range(cfg.num_experts):
+      for ours, hf in zip(("gate", "up", "down"), family.expert_names, strict=True):
+        yield HFTensor(f"{layer}.{prefix}.experts.{n}.{hf}.weight", (at("mlp", ours),), True,
+                       expert=n)
+  if cfg.shared_expert_d_ff:
+    for ours, hf in (("shared_gate", "gate_proj"), ("shared_up", "up_proj"),
+                     ("shared_down", "down_proj")):
+      yield HFTensor(f"{layer}.mlp.shared_expert.{hf}.weight", (at("mlp", ours, "kernel"),),
+                     True)
+    yield HFTensor(f"{layer}.mlp.shared_expert_gate.weight", (at("mlp", "shared_expert_gate"),),
+                   True)
+
+
+def tensor_names(cfg: TransformerConfig, experts_fused: bool = False) -> Iterator[HFTensor]:
+  """Every tensor of ``cfg``'s HF checkpoint, in its family's names (a MoE family's
+  experts one per tensor, or ``experts_fused`` as transformers 5 holds them)."""
+  family = family_for(cfg)
+  fused = family.fused
   yield HFTensor("model.embed_tokens.weight", (("embed", "embedding"),), False)
   q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
   norms = ([("ln1", "input_layernorm"), ("ln_attn_out", "post_attention_layernorm"),
@@ -565,13 +704,17 @@ def tensor_names(cfg: TransformerConfig) -> Iterator[HFTensor]:
     else:
       groups += [((ours,), hf, "attn", cfg.qkv_bias, None) for ours, hf in _ATTENTION]
     groups.append((("o",), "self_attn.o_proj", "attn", cfg.attn_out_bias, None))
-    if cfg.mlp in ("swiglu", "geglu"):
+    moe = cfg.is_moe_layer(i)
+    if moe:
+      pass  # (its tensors follow the attention's)
+    elif cfg.mlp in ("swiglu", "geglu"):
       if fused:
         groups.append((("gate", "up"), "mlp.gate_up_proj", "mlp", cfg.mlp_bias,
                        (cfg.d_ff, cfg.d_ff)))
       else:
         groups += [((ours,), hf, "mlp", cfg.mlp_bias, None) for ours, hf in _MLP_IN]
-    groups.append((("down",), "mlp.down_proj", "mlp", cfg.mlp_bias, None))
+    if not moe:
+      groups.append((("down",), "mlp.down_proj", "mlp", cfg.mlp_bias, None))
     for ours, hf, group, bias, sizes in groups:
       yield HFTensor(f"{layer}.{hf}.weight", tuple(at(group, n, "kernel") for n in ours), True,
                      sizes)
@@ -581,6 +724,8 @@ def tensor_names(cfg: TransformerConfig) -> Iterator[HFTensor]:
     if cfg.qk_norm:
       for ours in ("q_norm", "k_norm"):
         yield HFTensor(f"{layer}.self_attn.{ours}.weight", (at("attn", ours, "scale"),), False)
+    if moe:
+      yield from _moe_tensors(cfg, family, layer, at, experts_fused)
     for ours, hf in norms:
       yield HFTensor(f"{layer}.{hf}.weight", (at(ours, "scale"),), False)
   yield HFTensor("model.norm.weight", (("ln_f", "scale"),), False)

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 import flax_tp
 from flax_tp.logical import stored_like
+from flax_tp.param_info import ParamInfo
 from flax_tp.stack import per_layer_paths, set_layer, stacked_layers
 from models.config import TransformerConfig, check_architecture_fields
 from models.execution import Execution
@@ -46,16 +47,32 @@ def _at(state: nnx.State, path: tuple) -> Any:
   return node
 
 
-def to_hf_state_dict(state: nnx.State, cfg: TransformerConfig) -> dict[str, np.ndarray]:
+def to_hf_state_dict(state: nnx.State, cfg: TransformerConfig,
+                     experts_fused: bool = False) -> dict[str, np.ndarray]:
   """HF names and logical ``[out, in]`` arrays of a params (or gradients) state of a
-  ``Transformer`` with config ``cfg``."""
+  ``Transformer`` with config ``cfg``. A MoE's experts one tensor per expert, as
+  ``save_pretrained`` writes them, or ``experts_fused`` as transformers 5 holds them in
+  memory (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)."""
   logical = flax_tp.unshard(state)
   out = {}
-  for tensor in tensor_names(cfg):
+  for tensor in tensor_names(cfg, experts_fused):
     parts = [np.asarray(_at(logical, path)[...]) for path in tensor.paths]
+    if tensor.expert is not None:
+      parts = [part[tensor.expert] for part in parts]
     value = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]  # fused: rows
-    out[tensor.name] = np.ascontiguousarray(value.T if tensor.transposed else value)
+    out[tensor.name] = np.ascontiguousarray(_transposed(value) if tensor.transposed else value)
   return out
+
+
+def _transposed(value: np.ndarray) -> np.ndarray:
+  """HF's ``[..., out, in]`` <-> flax's ``[..., in, out]`` (the last two dims)."""
+  return np.swapaxes(value, -1, -2)
+
+
+def _rows_axis(value: np.ndarray) -> int:
+  """Where a fused tensor's parts lie: the rows (``out``) of ``[..., out, in]``, or the
+  one dim of a bias."""
+  return 0 if value.ndim == 1 else value.ndim - 2
 
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -170,18 +187,27 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
              for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
              for layer, layer_path in enumerate(per_layer_paths(path, var))}
   used = set()
-  for tensor in tensor_names(cfg):
+  # A MoE's experts as transformers 5 holds them in memory (one tensor per weight), or
+  # one tensor per expert as save_pretrained writes them.
+  experts_fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in tensors.files)
+  experts: dict[tuple, tuple[np.ndarray, set]] = {}  # path -> (experts so far, which)
+  for tensor in tensor_names(cfg, experts_fused):
     value = tensors.get(tensor.name)
     if tensor.sizes is not None:  # fused rows: each part's, in order
-      if value.shape[0] != sum(tensor.sizes):
-        raise HFConfigError(f"tensor {tensor.name!r} has {value.shape[0]} rows; the config "
+      rows = _rows_axis(value)
+      if value.shape[rows] != sum(tensor.sizes):
+        raise HFConfigError(f"tensor {tensor.name!r} has {value.shape[rows]} rows; the config "
                             f"gives {' + '.join(map(str, tensor.sizes))}")
-      parts = np.split(value, np.cumsum(tensor.sizes)[:-1], axis=0)
+      parts = np.split(value, np.cumsum(tensor.sizes)[:-1], axis=rows)
     else:
       parts = [value]
     for flax_path, part in zip(tensor.paths, parts, strict=True):
-      part = part.T if tensor.transposed else part
+      part = _transposed(part) if tensor.transposed else part
       var, layer = targets[flax_path]
+      if tensor.expert is not None:  # one expert's slice: the param once all are read
+        part = _gather_expert(experts, flax_path, var, layer, tensor, part)
+        if part is None:
+          continue
       if layer is None:
         var[...] = stored_like(var, part, tensor.name)
       else:
@@ -194,6 +220,27 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
     raise HFConfigError(f"the checkpoint has tensors the config does not explain: "
                         f"{unused[:5]}{' ...' if len(unused) > 5 else ''}")
   return model
+
+
+def _gather_expert(experts: dict, path: tuple, var: nnx.Variable, layer: int | None,
+                   tensor: Any, part: np.ndarray) -> np.ndarray | None:
+  """Adds one expert's ``part`` to the param at ``path`` (``[E, ...]`` logical); returns the
+  whole param once every expert is in, else None. A misshapen expert is an error naming
+  its tensor."""
+  info = ParamInfo.of(var)
+  if layer is not None:
+    info = info.per_layer()
+  shape = info.logical_shape(var[...].shape[0 if layer is None else 1:])
+  if tuple(part.shape) != tuple(shape[1:]):
+    raise HFConfigError(f"tensor {tensor.name!r} has shape {tuple(_transposed(part).shape)}; "
+                        f"the config gives {tuple(_transposed(np.zeros(shape[1:])).shape)}")
+  whole, seen = experts.setdefault(path, (np.zeros(shape, np.float32), set()))
+  whole[tensor.expert] = part
+  seen.add(tensor.expert)
+  if len(seen) < shape[0]:
+    return None
+  del experts[path]
+  return whole
 
 
 def save_hf(model: Transformer, path: str | Path, *,

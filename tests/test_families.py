@@ -25,12 +25,18 @@ from models.hf import load_hf, read_config, save_hf
 from train.step import Trainer, make_optimizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
-FAMILIES = ["llama3", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"]
+DENSE = ["llama3", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"]
+# Mixtures of experts: experts over "data" as well, so 4x2 too.
+EXPERTS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = DENSE + EXPERTS
 MESHES = ["1x1", "1x3", "2x4", "1x8"]
+MOE_MESHES = [*MESHES, "4x2"]
 # The fast lane runs each family on one mesh (each mesh at least once); the slow the rest.
-FAST = {name: MESHES[i % len(MESHES)] for i, name in enumerate(FAMILIES)}
+FAST = {name: MESHES[i % len(MESHES)] for i, name in enumerate(DENSE)}
+FAST.update(mixtral="2x4", qwen2_moe="4x2", qwen3_moe="1x3")
 CASES = [pytest.param(name, mesh, marks=() if FAST[name] == mesh else pytest.mark.slow,
-                      id=f"{name}-{mesh}") for name in FAMILIES for mesh in MESHES]
+                      id=f"{name}-{mesh}")
+         for name in FAMILIES for mesh in (MOE_MESHES if name in EXPERTS else MESHES)]
 
 
 def check_against_fixture(model, name, *, batch_one=False):
@@ -38,14 +44,18 @@ def check_against_fixture(model, name, *, batch_one=False):
   of two prompts of different lengths in one batch (and, ``batch_one``, the first alone)."""
   from models.hf import to_hf_state_dict
   expected = np.load(FIXTURES / name / "expected.npz")
-  ids = expected["ids"]
+  # A data axis wider than the fixture's 2 rows (4x2): the rows repeated, which leaves
+  # the mean loss, its gradients and each row's generation as they are.
+  reps = max(1, model.mesh.shape["data"] // len(expected["ids"]))
+  ids = np.tile(expected["ids"], (reps, 1))
   logits = jax.jit(lambda t: model(t))(jnp.asarray(ids, jnp.int32))
-  np.testing.assert_allclose(logits, expected["logits"], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits, np.tile(expected["logits"], (reps, 1, 1)), rtol=1e-5,
+                             atol=1e-5)
   trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
   tokens = jax.device_put(jnp.asarray(ids, jnp.int32), trainer.batch_sharding)
   loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
   np.testing.assert_allclose(loss, expected["loss"], rtol=1e-6)
-  grads = to_hf_state_dict(grads, model.cfg)
+  grads = to_hf_state_dict(grads, model.cfg, experts_fused=True)  # as transformers holds them
   theirs = {k[len("grad:"):]: expected[k] for k in expected.files if k.startswith("grad:")}
   assert set(grads) == set(theirs) - ({"lm_head.weight"} if model.cfg.tie_embeddings
                                       else set())
@@ -54,8 +64,9 @@ def check_against_fixture(model, name, *, batch_one=False):
   generated = np.load(FIXTURES / name / "generate.npz")
   eos = int(generated["eos_id"])
   eos = None if eos < 0 else eos
-  out = generate(model, ids, lengths=generated["lengths"], max_new_tokens=16, eos_id=eos)
-  np.testing.assert_array_equal(out, generated["ids"])
+  out = generate(model, ids, lengths=np.tile(generated["lengths"], reps), max_new_tokens=16,
+                 eos_id=eos)
+  np.testing.assert_array_equal(out, np.tile(generated["ids"], (reps, 1)))
   if batch_one:
     n = int(generated["lengths"][0])
     alone = generate(model, ids[:1, :n], max_new_tokens=16, eos_id=eos)
@@ -77,6 +88,8 @@ def test_family_equals_transformers(meshes, name, mesh_spec):
     ("gemma2", "1x3", Execution(sequence_parallel=True, remat="dots_saveable")),
     ("phi3", "2x4", Execution(scan_layers=True, fsdp=True)),
     ("mistral", "1x8", Execution(sequence_parallel=True, scan_layers=True)),
+    ("mixtral", "4x2", Execution(scan_layers=True, fsdp=True, remat="block")),
+    ("qwen2_moe", "2x4", Execution(fsdp=True, remat="dots_saveable")),
 ])
 def test_family_under_every_execution_option(meshes, name, mesh_spec, execution):
   model = load_hf(FIXTURES / name, meshes[mesh_spec], execution=execution)
@@ -108,7 +121,8 @@ def test_saved_folder_loads_in_transformers_to_the_same_logits(tmp_path, meshes,
   model = load_hf(FIXTURES / name, meshes["1x3"])
   save_hf(model, tmp_path)
   expected = np.load(FIXTURES / name / "expected.npz")
-  theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  eager = dict(experts_implementation="eager") if name in EXPERTS else {}
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **eager).eval()
   assert type(theirs).__name__ == json.loads((FIXTURES / name / "config.json").read_text())[
       "architectures"][0]
   with torch.no_grad():
@@ -127,6 +141,8 @@ def test_saved_folder_loads_in_transformers_to_the_same_logits(tmp_path, meshes,
     ("gemma2", dict(attn_scale=None)),
     ("gemma3_text", dict(rope_local_base=None)),
     ("phi3", dict(rotary_fraction=1.0)),
+    ("qwen2_moe", dict(normalize_top_k=True)),
+    ("qwen3_moe", dict(experts_per_token=2)),
 ])
 def test_each_fixture_tells_its_mechanism_apart(meshes, name, change):
   """Without the mechanism (or with another window) the logits are not transformers':
@@ -150,6 +166,9 @@ def _copy(name, folder):
     ("gemma2", "missing", "model.layers.0.post_feedforward_layernorm.weight"),
     ("qwen3", "missing", "model.layers.1.self_attn.k_norm.weight"),
     ("gemma3_text", "extra", "model.layers.0.self_attn.q_norm.bias"),
+    ("mixtral", "missing", "model.layers.1.block_sparse_moe.experts.5.w2.weight"),
+    ("qwen3_moe", "extra", "model.layers.0.mlp.experts.7.up_proj.weight"),
+    ("qwen2_moe", "missing", "model.layers.1.mlp.shared_expert_gate.weight"),
 ])
 def test_a_tampered_checkpoint_is_refused_naming_the_tensor(tmp_path, meshes, name, how, named):
   from safetensors.numpy import load_file, save_file
@@ -163,6 +182,15 @@ def test_a_tampered_checkpoint_is_refused_naming_the_tensor(tmp_path, meshes, na
   with pytest.raises(HFConfigError) as err:
     load_hf(folder, meshes["1x2"])
   assert named in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("mesh_spec", ["2x4", pytest.param("1x8", marks=pytest.mark.slow)])
+def test_experts_fused_on_disk_load_as_per_expert_ones(meshes, mesh_spec):
+  """Mixtral as transformers 5 holds it (and newer releases ship it): ``mlp.gate``,
+  ``mlp.experts.gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``; the same model as
+  the per-expert folder, so transformers' logits, gradients and generations."""
+  model = load_hf(FIXTURES / "mixtral_fused", meshes[mesh_spec])
+  check_against_fixture(model, "mixtral")
 
 
 def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path, meshes):
@@ -195,7 +223,9 @@ def _config(name):
         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
         "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}, "sliding_attention"),
     ("mistral", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
-    ("qwen3", {"model_type": "qwen3_moe"}, "model_type 'qwen3_moe'"),
+    ("qwen3", {"model_type": "qwen3_moe"}, "lacks 'num_experts'"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ("qwen2_moe", {"mlp_only_layers": "0"}, "mlp_only_layers"),
 ])
 def test_configs_it_cannot_honour_are_named(name, change, field):
   with pytest.raises(HFConfigError, match=field):

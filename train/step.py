@@ -152,7 +152,9 @@ class Trainer:
     ``options.ignore_index`` to leave tokens out (a prompt in fine-tuning). A model with
     mixture-of-experts layers adds ``router_aux_loss_coef`` times the load-balancing loss
     and ``options.router_z_loss`` times the router z-loss, both over the global batch
-    and every MoE layer (as transformers concatenates the layers' router logits).
+    and every MoE layer (as transformers concatenates the layers' router logits), and
+    over all ``S + 1`` tokens, which it runs through the model as transformers runs its
+    ``input_ids`` (the last one's logits are dropped).
     ``with_router``: returns ``(loss, the global RouterStats or None)``;
     ``router_losses=False``: the cross-entropy alone (the eval loss).
     """
@@ -164,7 +166,10 @@ class Trainer:
     model = nnx.merge(self.graphdef, params)
     stats = None
     if self.cfg.has_experts:
-      logits, stats = model(tokens[:, :-1], dropout_key=key, return_router_stats=True)
+      # All S + 1 tokens through the model, as transformers runs its input_ids: the last
+      # token predicts nothing, but its routing counts in the load-balancing loss.
+      logits, stats = model(tokens, dropout_key=key, return_router_stats=True)
+      logits = logits[:, :-1]
       stats = stats.all_reduce(flax_tp.DATA_AXIS)
     else:
       logits = model(tokens[:, :-1], dropout_key=key)
