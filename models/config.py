@@ -309,7 +309,8 @@ PRESETS: dict[str, dict] = {
     # their FFN of 90 divide neither 4 nor 8, so experts and FFNs are padded.
     "moe-tiny": dict(vocab_size=259, d_model=24, num_heads=6, num_kv_heads=2, head_dim=4,
                      d_ff=90, num_layers=2, max_seq_len=16, num_experts=6,
-                     experts_per_token=2, router_aux_loss_coef=0.02, **_LLAMA),
+                     experts_per_token=2, router_aux_loss_coef=0.02, family="mixtral",
+                     **_LLAMA),
     # Benchmark sizes (untied head, 32000-token vocabulary): ~125M and ~336M params.
     "llama-125m": dict(vocab_size=32000, d_model=768, num_heads=12, num_kv_heads=4,
                        head_dim=64, d_ff=2048, num_layers=12, max_seq_len=1024,

@@ -1,5 +1,6 @@
 """HuggingFace checkpoints in and out of ``models.transformer.Transformer``: the families
-of ``models/families.py`` (Llama 2/3.x, Qwen2, Qwen3, Mistral, Gemma 1-3, Phi-3).
+of ``models/families.py`` (Llama 2/3.x, Qwen2, Qwen3, Mistral, Gemma 1-3, Phi-3, and the
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE).
 
     model = load_hf("path/to/dir", flax_tp.make_mesh("2x4"))   # config.json + safetensors
     save_hf(model, "out/dir")     # transformers.AutoModelForCausalLM.from_pretrained("out/dir")
@@ -169,8 +170,8 @@ def _separate_head(directory: Path) -> bool:
 
 def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
             execution: Execution = Execution(), **overrides) -> Transformer:
-  """The ``Transformer`` of a local HF Llama/Qwen2 directory, on ``mesh``, run as
-  ``execution`` says (sequence parallelism, remat, scanned layers, FSDP).
+  """The ``Transformer`` of a local HF directory (a family of ``models/families.py``), on
+  ``mesh``, run as ``execution`` says (sequence parallelism, remat, scanned layers, FSDP).
 
   Each tensor is read on its own, converted to the flax layout and placed into
   its shards, so the host holds one checkpoint tensor at a time. (The model is

@@ -242,3 +242,15 @@ def test_huge_mesh_in_a_fresh_process_is_one_line():
                         "100000x100000"], capture_output=True, text=True, env=env, timeout=120)
   assert out.returncode == 2 and out.stderr.count("\n") == 1
   assert "at most 1024 per process can be simulated" in out.stderr
+
+
+def test_export_refuses_bad_input_in_one_line(tmp_path, capsys):
+  """train/export.py: a folder without a checkpoint, a bad step, a bad mesh: exit 2, one
+  line naming it."""
+  from train import export
+  for flags, named in ((["--checkpoint", str(tmp_path / "none")], "no checkpoint found"),
+                       (["--checkpoint", str(tmp_path), "--step", "-1"], "--step must be >= 0"),
+                       (["--checkpoint", str(tmp_path), "--mesh", "3x5"], "15 devices")):
+    assert export.main([*flags, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err, err

@@ -372,3 +372,61 @@ def test_llama3_and_gemma_style_tokenizers_round_trip(tmp_path):
     ours = HFTokenizer(tmp_path / f"{name}.json")
     ids = ours.encode(text.encode())
     assert 0 < len(ids) < len(text.encode()) and ours.decode(ids) == text, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2_moe"])
+def test_a_moe_family_fine_tunes_resumes_exports_and_transformers_reads_it(tmp_path, name,
+                                                                           capsys):
+  """A new user's path with a mixture of experts: ``train/run.py --init-from`` a Qwen2-MoE
+  folder on 2x4 (experts over "data", their FFNs over "model"; with remat and FSDP),
+  resumed on 1x8 from a copied checkpoint, ``train/export.py`` of the last step, and
+  transformers reading the export to the logits of the checkpoint's model."""
+  import dataclasses
+
+  from flax import nnx
+  from helpers import bpe_tokenizer, logged_losses, write_small_corpus
+
+  import flax_tp
+  from models.transformer import Transformer
+  from train import export
+  from train.run import main
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  corpus = write_small_corpus(tmp_path / "corpus.py")
+  tokenizer = bpe_tokenizer(corpus)
+  cfg = dataclasses.replace(read_config(FIXTURES / name),
+                            vocab_size=tokenizer.get_vocab_size() + 3, max_seq_len=32)
+  folder = tmp_path / "model"
+  save_hf(Transformer(cfg, mesh=flax_tp.make_mesh("1x1"), rngs=nnx.Rngs(3)), folder)
+  tokenizer.save(str(folder / "tokenizer.json"))
+  ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+  flags = ["--init-from", str(folder), "--batch-size", "8", "--seq-len", "16", "--steps", "6",
+           "--lr", "1e-2", "--warmup-steps", "1", "--eval-every", "0", "--sample-length", "4",
+           "--data", corpus]
+  assert main([*flags, "--mesh", "2x4", "--remat", "block", "--fsdp", "--checkpoint-dir",
+               str(ck), "--checkpoint-every", "3", "--metrics-file", str(metrics)]) == 0
+  assert "experts: 6 in each of 1 MoE layer(s), top-2 | over data: 3, 3" in capsys.readouterr().out
+  losses = logged_losses(metrics)
+  assert len(losses) == 6 and losses[-1] < losses[0]
+  record = json.loads(metrics.read_text().splitlines()[-1])
+  assert len(record["expert_load"]) == 6 and record["router_aux_loss"] > 0
+  moved = tmp_path / "moved"
+  moved.mkdir()
+  shutil.copytree(ck / "3", moved / "3")
+  resumed = tmp_path / "r.jsonl"
+  assert main([*flags, "--mesh", "1x8", "--resume", "--checkpoint-dir", str(moved),
+               "--metrics-file", str(resumed)]) == 0
+  np.testing.assert_allclose(logged_losses(resumed)[0], losses[3], rtol=1e-5)
+  out = tmp_path / "exported"
+  assert export.main(["--checkpoint", str(moved), "--out", str(out), "--mesh", "2x4"]) == 0
+  assert (out / "tokenizer.json").is_file()
+  ours = load_hf(out, flax_tp.make_mesh("4x2"))
+  assert ours.cfg.family == name and ours.cfg.num_experts == 6
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 12))
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(
+      out, experts_implementation="eager").eval()
+  with torch.no_grad():
+    expected = theirs(torch.as_tensor(ids)).logits.numpy()
+  np.testing.assert_allclose(jax.jit(lambda t: ours(t))(jnp.asarray(ids, jnp.int32)),
+                             expected, rtol=1e-4, atol=1e-4)

@@ -5,8 +5,8 @@
     python train/generate.py --checkpoint CKPT_DIR --mesh 2x4 --prompt "import " \\
         --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1
 
-``--hf`` reads a HuggingFace Llama/Qwen2 folder (config.json, safetensors and its
-tokenizer.json; the prompt gets the tokenizer's special tokens, as HF's pipeline
+``--hf`` reads a HuggingFace folder of a supported family (models/families.py;
+config.json, safetensors and its tokenizer.json; the prompt gets the tokenizer's special tokens, as HF's pipeline
 gives it). ``--checkpoint`` reads a ``train/run.py`` checkpoint directory (the
 latest step, or ``--step``) and its run's tokenizer: bytes for the built-in
 presets, the ``--init-from`` folder's tokenizer.json otherwise. The model is
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
   p = UsageParser(prog="train/generate.py", description=__doc__.split("\n\n")[0],
               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   source = p.add_mutually_exclusive_group(required=True)
-  source.add_argument("--hf", metavar="DIR", help="a HuggingFace Llama/Qwen2 model folder")
+  source.add_argument("--hf", metavar="DIR", help="a HuggingFace model folder (a family of models/families.py)")
   source.add_argument("--checkpoint", metavar="DIR", help="a train/run.py --checkpoint-dir")
   p.add_argument("--step", type=int, default=None,
                  help="the checkpoint step to load (default: the latest)")

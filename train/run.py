@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "'llama-350m' Llama-style sizes for benchmarks (default: "
                       f"{d['preset']})")
   p.add_argument("--init-from", default=None, metavar="HF_DIR",
-                 help="continue training a HuggingFace Llama/Qwen2 checkpoint (config.json, "
+                 help="continue training a HuggingFace checkpoint of a supported family (config.json, "
                       "safetensors, tokenizer.json); its config replaces --preset and its "
                       "tokenizer the byte-level one")
   p.add_argument("--steps", type=int, default=d["steps"], help="total optimizer steps")

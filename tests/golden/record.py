@@ -25,7 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("main.json")
-ENTRY_POINTS = ("train/run.py", "train/generate.py", "train/launch.py", "bench/run.py",
+ENTRY_POINTS = ("train/run.py", "train/generate.py", "train/launch.py", "train/export.py",
+                "bench/run.py",
                 "bench/mfu.py", "bench/memory.py", "bench/decode.py", "bench/plan.py",
                 "bench/ckptmem.py", "bench/hostmem.py", "bench/plots.py")
 STEP_CONFIGS = [(preset, mesh, fsdp) for preset in ("tiny", "llama-tiny")
