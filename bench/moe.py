@@ -1,0 +1,100 @@
+"""Mixture of experts: what the dispatch sends against its minimum, and what each device
+holds of the experts against ``1 / (D * M)`` of them (BENCHMARKS.md §14).
+
+For one ``flax_tp.MoE`` layer's compiled forward and backward on each mesh:
+- *dispatch bytes*: what each device sends over ``"data"`` for the tokens, their routing
+  and their outputs (all-gather in, reduce-scatter back, and the mirror in backward),
+  counted as a ring sends it (an all-gather or reduce-scatter of a result of ``n`` bytes
+  over ``D`` devices: ``(D - 1) / D * n`` or ``(D - 1) * n``). The minimum is each routed
+  token's ``d_model`` activations to and from its expert's shard, forward and backward:
+  ``4 * t * k * (D - 1) / D * d`` values for ``t`` tokens per shard, uniform routing;
+- *expert bytes per device*: params of the experts on device 0, against the experts'
+  logical bytes divided by ``D * M`` (above 1.00 only by padding).
+
+    python -m bench.moe --out bench/moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+SHAPES = {  # name: (d_model, expert FFN width, experts, top-k)
+    "tiny": (24, 90, 6, 2),
+    "mixtral/8": (512, 1792, 8, 2),  # Mixtral 8x7B's proportions at an eighth of its width
+}
+
+
+def measure(shape: str, spec: str, tokens_per_shard: int) -> dict[str, Any]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  import flax_tp
+  from flax_tp.hlo import collectives
+  d, width, experts, k = SHAPES[shape]
+  mesh = flax_tp.make_mesh(spec)
+  data, model = mesh.shape["data"], mesh.shape["model"]
+  moe = flax_tp.MoE(d, width, experts, k, mesh=mesh, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (data * tokens_per_shard, d))
+  # The gradient of the input too, as a step needs it (x is an activation there).
+  step = jax.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0] ** 2), argnums=(0, 1)))
+  found = collectives(step.lower(moe, x).compile().as_text(), mesh)
+  sent = 0
+  for c in found:
+    if c.axes != ("data",) or c.kind not in ("all-gather", "reduce-scatter"):
+      continue
+    sent += c.bytes * (data - 1) / data if c.kind == "all-gather" else c.bytes * (data - 1)
+  minimum = 4 * tokens_per_shard * k * (data - 1) / data * d * 4
+  expert_bytes = sum(getattr(moe, n)[...].addressable_shards[0].data.nbytes
+                     for n in ("gate", "up", "down"))
+  logical = 3 * experts * d * width * 4
+  return dict(shape=shape, mesh=spec, d_model=d, expert_width=width, experts=experts, top_k=k,
+              tokens_per_shard=tokens_per_shard, dispatch_bytes=int(sent),
+              dispatch_minimum=int(minimum),
+              dispatch_ratio=(sent / minimum) if minimum else None,
+              expert_bytes_per_device=int(expert_bytes),
+              expert_share=int(logical / (data * model)),
+              expert_ratio=float(expert_bytes / (logical / (data * model))),
+              collectives=[dict(kind=c.kind, axes=list(c.axes), bytes=c.bytes,
+                                shapes=[list(s) for _, s in c.operands]) for c in found],
+              weights_gathered=any(s == tuple(np.shape(moe.gate[...])) for c in found
+                                   for _, s in c.operands))
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__.split("\n")[0])
+  p.add_argument("--meshes", default="2x4,4x2,8x1", help="comma-separated DxM meshes")
+  p.add_argument("--tokens", type=int, default=512, help="tokens per data shard")
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  import jax
+
+  from bench import meshes_or_exit, out_path_or_exit
+  meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
+  meshes_or_exit(meshes, "bench.moe")
+  out_path_or_exit(args.out, "bench.moe")
+  rows = []
+  for shape in SHAPES:
+    for spec in meshes:
+      row = measure(shape, spec, args.tokens)
+      rows.append(row)
+      print(f"{shape} {spec}: dispatch {row['dispatch_bytes']:,} B / minimum "
+            f"{row['dispatch_minimum']:,} B = {row['dispatch_ratio']:.2f} | experts per device "
+            f"{row['expert_bytes_per_device']:,} B / (1 / (D*M)) {row['expert_share']:,} B = "
+            f"{row['expert_ratio']:.3f} | an expert weight gathered: {row['weights_gathered']}",
+            flush=True)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"jax": jax.__version__, "command": "python -m bench.moe " + " ".join(
+          argv if argv is not None else sys.argv[1:]), "rows": rows}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
