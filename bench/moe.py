@@ -66,10 +66,71 @@ def measure(shape: str, spec: str, tokens_per_shard: int) -> dict[str, Any]:
                                    for _, s in c.operands))
 
 
+def step_times(shape: str, spec: str, tokens_per_shard: int, repeats: int) -> dict[str, Any]:
+  """One MoE layer's forward + backward (params and input), timed interleaved: flax_tp's
+  dropless grouped path against two GSPMD peers on the same params and shardings (experts
+  over "data", FFN over "model", jax.jit): every expert on every token as one einsum, and
+  as a loop over experts. All three give the same input gradient."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import flax_tp
+  from bench.harness import interleaved_medians
+  d, width, experts, k = SHAPES[shape]
+  mesh = flax_tp.make_mesh(spec)
+  moe = flax_tp.MoE(d, width, experts, k, mesh=mesh, rngs=nnx.Rngs(0))
+  x = jax.device_put(jax.random.normal(jax.random.key(0),
+                                       (mesh.shape["data"] * tokens_per_shard, d)),
+                     NamedSharding(mesh, P("data")))
+  mine = jax.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0] ** 2), argnums=(0, 1)))
+  logical = flax_tp.unshard(moe)
+  specs = {"router": P(), "gate": P("data", None, "model"), "up": P("data", None, "model"),
+           "down": P("data", "model", None)}
+  params = {n: jax.device_put(logical[n][...], NamedSharding(mesh, spec))
+            for n, spec in specs.items()}
+
+  def routing(p, x):
+    weights, chosen = jax.lax.top_k(jax.nn.softmax(x @ p["router"], -1), k)
+    return weights / weights.sum(-1, keepdims=True), chosen
+
+  def einsum_moe(p, x):
+    weights, chosen = routing(p, x)
+    combine = jnp.sum(jax.nn.one_hot(chosen, experts) * weights[..., None], 1)  # [t, E]
+    hidden = (jax.nn.silu(jnp.einsum("td,edf->etf", x, p["gate"]))
+              * jnp.einsum("td,edf->etf", x, p["up"]))
+    return jnp.einsum("etd,te->td", jnp.einsum("etf,efd->etd", hidden, p["down"]), combine)
+
+  def loop_moe(p, x):
+    weights, chosen = routing(p, x)
+    y = jnp.zeros_like(x)
+    for e in range(experts):
+      out = (jax.nn.silu(x @ p["gate"][e]) * (x @ p["up"][e])) @ p["down"][e]
+      y = y + jnp.sum(jnp.where(chosen == e, weights, 0), -1)[:, None] * out
+    return y
+
+  peers = {name: jax.jit(jax.grad(lambda p, x, f=f: jnp.sum(f(p, x) ** 2), argnums=(0, 1)))
+           for name, f in (("gspmd_einsum", einsum_moe), ("gspmd_loop", loop_moe))}
+  ours = mine(moe, x)[1]
+  for name, peer in peers.items():  # the same function, or the timing compares nothing
+    theirs = peer(params, x)[1]
+    assert float(jnp.max(jnp.abs(ours - theirs))) <= 1e-4 * float(jnp.max(jnp.abs(theirs))), name
+  steps = {"flax_tp": lambda: jax.block_until_ready(mine(moe, x))}
+  steps.update({name: (lambda peer=peer: jax.block_until_ready(peer(params, x)))
+                for name, peer in peers.items()})
+  medians = interleaved_medians(steps, repeats)
+  return dict(shape=shape, mesh=spec, tokens_per_shard=tokens_per_shard,
+              step_s=medians, ratios={n: medians["flax_tp"] / v for n, v in medians.items()})
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__.split("\n")[0])
   p.add_argument("--meshes", default="2x4,4x2,8x1", help="comma-separated DxM meshes")
   p.add_argument("--tokens", type=int, default=512, help="tokens per data shard")
+  p.add_argument("--time-tokens", type=int, default=128,
+                 help="tokens per data shard in the timed section (0: skip it)")
+  p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -89,10 +150,21 @@ def main(argv=None) -> int:
             f"{row['expert_bytes_per_device']:,} B / (1 / (D*M)) {row['expert_share']:,} B = "
             f"{row['expert_ratio']:.3f} | an expert weight gathered: {row['weights_gathered']}",
             flush=True)
+  times = []
+  # (GSPMD refuses the tiny shape's FFN of 90 over 4 or 2: its peers run the even one only)
+  for shape in ("mixtral/8",) if args.time_tokens else ():
+    for spec in (m for m in meshes if m != "8x1"):
+      row = step_times(shape, spec, args.time_tokens, args.repeats)
+      times.append(row)
+      print(f"{shape} {spec}: step " + ", ".join(
+          f"{n} {v * 1e3:.1f} ms" for n, v in row["step_s"].items()) + " | flax_tp / peer " +
+          ", ".join(f"{n} {v:.2f}" for n, v in row["ratios"].items() if n != "flax_tp"),
+          flush=True)
   if args.out:
     with open(args.out, "w") as f:
       json.dump({"jax": jax.__version__, "command": "python -m bench.moe " + " ".join(
-          argv if argv is not None else sys.argv[1:]), "rows": rows}, f, indent=1)
+          argv if argv is not None else sys.argv[1:]), "rows": rows, "step_times": times},
+                f, indent=1)
   return 0
 
 
