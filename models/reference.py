@@ -178,12 +178,17 @@ class ReferenceTransformer(nnx.Module):
 
 def reference_loss(model: ReferenceTransformer, tokens_bs1, *, dropout_key=None,
                    label_smoothing: float = 0.0, z_loss: float = 0.0):
-  """Mean next-token cross-entropy of ``tokens [b, s + 1]`` (optax's formula)."""
+  """Mean next-token cross-entropy of ``tokens [b, s + 1]`` (optax's formula); with
+  mixture-of-experts layers plus ``router_aux_loss_coef`` times the load-balancing loss,
+  as transformers' MoE models add it."""
   import optax
 
-  logits, router_logits = model(tokens_bs1[:, :-1], dropout_key=dropout_key,
-                                return_router_logits=True)
-  logits = logits.astype(jnp.float32)
+  # A mixture of experts sees all S + 1 tokens, as transformers runs its input_ids: the
+  # last one predicts nothing, but its routing counts in the load-balancing loss.
+  experts = model.cfg.has_experts
+  logits, router_logits = model(tokens_bs1 if experts else tokens_bs1[:, :-1],
+                                dropout_key=dropout_key, return_router_logits=True)
+  logits = (logits[:, :-1] if experts else logits).astype(jnp.float32)
   targets = optax.smooth_labels(jax.nn.one_hot(tokens_bs1[:, 1:], logits.shape[-1]),
                                 label_smoothing)
   loss = optax.softmax_cross_entropy(logits, targets)
