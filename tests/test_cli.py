@@ -254,3 +254,21 @@ def test_export_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert export.main([*flags, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and named in err, err
+
+
+def test_export_never_writes_over_another_model(tmp_path, capsys):
+  """--out holding a model (an --init-from folder, an earlier export) is refused, one line,
+  exit 2, and its files are left as they were."""
+  from train import export
+  from train.run import main
+  ck, out = tmp_path / "ck", tmp_path / "out"
+  assert main(["--preset", "moe-tiny", "--mesh", "1x2", "--steps", "1", "--batch-size", "2",
+               "--seq-len", "8", "--eval-every", "0", "--sample-length", "0",
+               "--checkpoint-dir", str(ck)]) == 0
+  out.mkdir()
+  (out / "config.json").write_text("{}")
+  capsys.readouterr()
+  assert export.main(["--checkpoint", str(ck), "--out", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "already holds a model (config.json)" in err, err
+  assert (out / "config.json").read_text() == "{}"

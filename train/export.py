@@ -63,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
     hf = json.loads((source / "config.json").read_text(encoding="utf-8"))
     special = {k: hf.get(k) for k in SPECIAL if k in hf}
   out = Path(args.out)
+  held = [n for n in ("config.json", "model.safetensors", "model.safetensors.index.json")
+          if (out / n).exists()]
+  if held:  # never over another model (say the --init-from folder itself)
+    raise UsageError(f"--out {args.out!r} already holds a model ({', '.join(held)}); choose "
+                     "a new or empty folder")
   try:
     save_hf(model, out, special_tokens=special)
   except (ValueError, FileExistsError) as err:
