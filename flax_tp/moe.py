@@ -19,6 +19,13 @@ Where things live on a ``("data", "model")`` mesh (Megatron's expert x tensor pa
   the shard each token came from, and summed over ``"model"``. Backward mirrors
   this: output cotangents are all-gathered, input cotangents reduce-scattered.
 
+Under sequence parallelism (``MoE(x, seq)`` in a map, ``x`` this device's block of the
+sequence, as between Megatron-SP blocks) each device routes its own block, leaving the
+padding rows out of the statistics, then gathers the tokens and their routing over
+``"model"`` to the whole sequence, as the dense MLP gathers its input. The outputs are
+reduce-scattered back to the block instead of all-reduced. The replicated router and
+shared-expert gate so see each token once, and their gradients need no extra sum.
+
 Why not all-to-all: ``jax.lax.ragged_all_to_all`` (the dropless all-to-all) is
 unimplemented on XLA:CPU (jax 0.10.2), and a static ``all_to_all`` that drops nothing
 must size every send buffer for all of a shard's routed tokens, ``D`` times the
@@ -62,6 +69,7 @@ from flax_tp.padding import masked
 from flax_tp.param_info import MESH_KEY, NAMES_KEY, keys_of
 from flax_tp.params import place, sharded_param
 from flax_tp.partition import ShardLayout
+from flax_tp.sequence import SequenceSplit
 
 Array = jax.Array
 
@@ -103,14 +111,19 @@ def route(logits: Array, top_k: int, normalize: bool) -> tuple[Array, Array, Arr
   return weights, experts.astype(jnp.int32), probs
 
 
-def router_stats(logits: Array, probs: Array, experts: Array) -> RouterStats:
+def router_stats(logits: Array, probs: Array, experts: Array,
+                 valid: Array | None = None) -> RouterStats:
   """The sums of one router call over its ``t`` tokens (``logits, probs [t, E]``,
-  ``experts [t, k]``)."""
+  ``experts [t, k]``); ``valid [t]`` (bool), if given, leaves the false ones out
+  (sequence padding)."""
   num_experts = probs.shape[-1]
-  counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1))
-  z = jnp.sum(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
-  return RouterStats(jax.lax.stop_gradient(counts), jnp.sum(probs, axis=0), z,
-                     jnp.asarray(probs.shape[0], jnp.float32))
+  keep = (jnp.ones(probs.shape[:1], jnp.float32) if valid is None
+          else valid.astype(jnp.float32))
+  picked = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32) * keep[:, None, None]
+  counts = jnp.sum(picked, axis=(0, 1))
+  z = jnp.sum(keep * jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
+  return RouterStats(jax.lax.stop_gradient(counts), jnp.sum(probs * keep[:, None], axis=0), z,
+                     jnp.sum(keep))
 
 
 def load_balancing_loss(stats: RouterStats) -> Array:
@@ -246,16 +259,51 @@ class MoE(ParallelModule):
       out.append(masked(value, self.ffn_layout, ffn_dim, self.axis_name))
     return tuple(out)
 
-  def _local(self, x: Array) -> tuple[Array, RouterStats]:
-    shape = x.shape
-    x = x.reshape(-1, self.d_model)
+  def _route(self, x: Array, valid: Array | None = None):
+    """``x [t, d]`` -> float32 ``(weights [t, k], experts [t, k], RouterStats)``."""
     logits = jnp.dot(x.astype(jnp.float32), self.router[...].astype(jnp.float32),
                      precision=self.precision)
     weights, experts, probs = route(logits, self.top_k, self.normalize_top_k)
-    stats = router_stats(logits, probs, experts)
+    return weights, experts, router_stats(logits, probs, experts, valid)
+
+  def _local(self, x: Array, seq: SequenceSplit | None = None) -> tuple[Array, RouterStats]:
     compute_dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
-    weights = weights.astype(compute_dtype)
-    xc = x.astype(compute_dtype)
+    if seq is None:
+      shape = x.shape
+      tokens = x.reshape(-1, self.d_model)
+      weights, experts, stats = self._route(tokens)
+    else:
+      # Sequence parallelism: x [b, s_pad, d] is this device's block of the sequence.
+      # Each device routes its own block (the replicated router and gate then get each
+      # token's gradient once), its padding rows left out of the statistics; then the
+      # tokens and their routing are gathered to the whole sequence [b, s, d], as the
+      # dense MLP gathers its input.
+      b, s_pad, _ = x.shape
+      valid = jnp.broadcast_to(seq.layout.local_mask(shard_index(self.axis_name))[None],
+                               (b, s_pad)).reshape(-1)
+      weights, experts, stats = self._route(x.reshape(-1, self.d_model), valid)
+      stats = stats.all_reduce(self.axis_name)
+      weights, experts = (seq.gather(t.reshape(b, s_pad, -1)) for t in (weights, experts))
+      whole = seq.gather(x)
+      shape = whole.shape
+      tokens = whole.reshape(-1, self.d_model)
+      weights, experts = weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k)
+    y = self._routed(tokens.astype(compute_dtype), weights.astype(compute_dtype), experts,
+                     compute_dtype)
+    y = y.reshape(shape[:-1] + (self.d_model,))
+    if seq is None:
+      y = all_reduce(y, "sum", self.axis_name)
+    else:  # back to this device's block: one reduce-scatter over the sequence
+      y = reduce_scatter(seq.for_scatter(y), axis=1, axis_name=self.axis_name)
+    if self.shared_d_ff:
+      y = y + self._shared(tokens.reshape(shape).astype(compute_dtype), compute_dtype,
+                           x.astype(compute_dtype), seq)
+    return y, stats
+
+  def _routed(self, xc: Array, weights: Array, experts: Array, compute_dtype: Any) -> Array:
+    """This data shard's tokens ``xc [n, d]`` with their routing ``weights, experts
+    [n, k]`` through the experts: ``[n, d]``, this device's partial sum over
+    ``"model"`` (the caller reduces it)."""
     layout = self.expert_layout
     spread = layout.parts > 1  # the experts are split over "data"
     # Each data shard has its own tokens (the step's case): every shard's tokens come
@@ -277,28 +325,45 @@ class MoE(ParallelModule):
       y = reduce_scatter(y, axis=0, axis_name=DATA_AXIS)
     elif spread:
       y = all_reduce(y, "sum", DATA_AXIS)
-    y = all_reduce(y, "sum", self.axis_name)
-    if self.shared_d_ff:
-      y = y + self._shared(x.astype(compute_dtype), compute_dtype)
-    return y.reshape(shape[:-1] + (self.d_model,)), stats
+    return y
 
-  def _shared(self, x: Array, compute_dtype: Any) -> Array:
+  def _shared(self, x: Array, compute_dtype: Any, block: Array,
+              seq: SequenceSplit | None) -> Array:
+    """The gated shared expert of ``x [..., d]`` (replicated over "model"), or under
+    sequence parallelism of the whole sequence ``x [b, s, d]`` with ``block [b, s_pad,
+    d]`` this device's part of it, the output then reduce-scattered to the block."""
     gate, up = fused_column_parallel((self.shared_gate, self.shared_up), x)
-    shared = self.shared_down(jax.nn.silu(gate) * up)
-    gate_logit = jnp.dot(x, self.shared_expert_gate[...].astype(compute_dtype),
+    hidden = jax.nn.silu(gate) * up
+    if seq is None:
+      shared = self.shared_down(hidden)
+    else:
+      down = self.shared_down
+      shared = down._local(*down._params(), seq.for_scatter(hidden), parallel_input=True,
+                           scatter=True)
+    gate_logit = jnp.dot(block, self.shared_expert_gate[...].astype(compute_dtype),
                          precision=self.precision)
     return jax.nn.sigmoid(gate_logit) * shared
 
   # -- standalone ------------------------------------------------------------------
 
-  def __call__(self, x: Array) -> tuple[Array, RouterStats]:
+  def __call__(self, x: Array, seq: SequenceSplit | None = None) -> tuple[Array, RouterStats]:
+    """``seq`` (inside a ``shard_map``, sequence parallelism): ``x [b, s_pad, d]`` is this
+    device's block of the sequence, split as ``seq`` says (padding rows zero), and so is
+    the output; the statistics are still this data shard's whole sequence's."""
     if x.shape[-1] != self.d_model:
       raise ValueError(f"MoE expects inputs [..., {self.d_model}], got {tuple(x.shape)}")
     if self._is_local():
       if not axis_is_bound(DATA_AXIS):
         raise ValueError(f"MoE inside a shard_map needs both axes bound ({DATA_AXIS!r} and "
                          f"{self.axis_name!r}): its experts are split over {DATA_AXIS!r}")
-      return self._local(x)
+      if seq is not None and (x.ndim != 3 or x.shape[1] != seq.layout.padded_size
+                              or self.axis_name != MODEL_AXIS):
+        raise ValueError(f"MoE with sequence parallelism expects this device's block "
+                         f"[b, {seq.layout.padded_size}, {self.d_model}] over {MODEL_AXIS!r}, "
+                         f"got {tuple(x.shape)} over {self.axis_name!r}")
+      return self._local(x, seq)
+    if seq is not None:
+      raise ValueError("MoE(seq=...) is for a call inside a shard_map (sequence parallelism)")
     stats_sharding = RouterStats(*(NamedSharding(self.mesh, P()),) * 4)
     if self.mesh.axis_types[0] != AxisType.Explicit:
       return self._call_standalone(x)

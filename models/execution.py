@@ -56,7 +56,7 @@ def set_sequence_parallel(model: Any, on: bool) -> None:
   for block in blocks:
     block.attn.o.sequence_parallel = on
     if isinstance(block.mlp, flax_tp.MoE):
-      continue  # (refused with sequence parallelism by unsupported())
+      continue  # a MoE scatters when its call is given the SequenceSplit
     block.mlp.down.sequence_parallel = on
 
 
@@ -64,9 +64,6 @@ def unsupported(cfg: Any, execution: Execution) -> str | None:
   """Why ``execution`` cannot run a model of ``cfg`` (a ``TransformerConfig``), or None."""
   if not cfg.has_experts:
     return None
-  if execution.sequence_parallel:
-    return ("sequence parallelism with mixture-of-experts layers is not supported yet: "
-            "run without it")
   if execution.scan_layers and len({cfg.is_moe_layer(i) for i in range(cfg.num_layers)}) > 1:
     return (f"scanned layers need blocks of one structure; this model mixes dense and "
             f"mixture-of-experts layers (moe_layers={cfg.moe_layers}): run without them")

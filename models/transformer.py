@@ -201,7 +201,7 @@ class ParallelBlock(nnx.Module):
     """The MLP's output and, for a MoE, its router statistics (else None)."""
     if not self.is_moe:
       return self.mlp(x_bsd, seq), None
-    return self.mlp(x_bsd)  # (never with seq: execution.unsupported refuses it)
+    return self.mlp(x_bsd, seq)
 
   def extend(self, x_bsd, cache, positions, layer):
     """Block ``layer`` on new tokens with a KV cache (no dropout: inference). A MoE

@@ -280,7 +280,10 @@ def moe_reference():
 
 @pytest.mark.parametrize("mesh_spec,options", [
     ("2x4", {}),
-    ("4x2", {"scan_layers": True, "fsdp": True, "remat": "block"}),
+    ("4x2", {"scan_layers": True, "fsdp": True, "remat": "block", "sequence_parallel": True}),
+    pytest.param("4x2", {"scan_layers": True, "fsdp": True, "remat": "block"},
+                 marks=pytest.mark.slow),
+    pytest.param("2x4", {"sequence_parallel": True}, marks=pytest.mark.slow),
     pytest.param("1x1", {}, marks=pytest.mark.slow),
     pytest.param("1x3", {"remat": "dots_saveable"}, marks=pytest.mark.slow),
     pytest.param("1x8", {"scan_layers": True}, marks=pytest.mark.slow),
@@ -325,10 +328,6 @@ def test_unsupported_executions_are_refused_by_name(meshes):
   from models.config import TransformerConfig
   from models.execution import Execution
   from models.transformer import Transformer
-  cfg = TransformerConfig.preset("moe-tiny")
-  with pytest.raises(ValueError, match="sequence parallelism with mixture-of-experts"):
-    Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0),
-                execution=Execution(sequence_parallel=True))
   mixed = TransformerConfig.preset("moe-tiny", moe_layers=(1,))
   with pytest.raises(ValueError, match=r"mixes dense and mixture-of-experts layers \(moe_layers"):
     Transformer(mixed, mesh=meshes["2x4"], rngs=nnx.Rngs(0),
