@@ -44,6 +44,7 @@ are built from, so they can be summed over layers and data shards before the los
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -83,15 +84,19 @@ class RouterStats(NamedTuple):
   """Sums over the tokens a router saw (one layer's, or several layers' added up).
 
   ``counts [E]``: how many of the tokens' top-k choices picked each expert (the
-  per-expert load); ``probs [E]``: the sum of the router's softmax probabilities per
-  expert; ``z``: the sum of ``logsumexp(logits) ** 2``; ``tokens``: how many tokens.
-  Sums, not means, so layers and data shards add up before the losses divide.
+  per-expert load, before any capacity drops); ``probs [E]``: the sum of the router's
+  softmax probabilities per expert; ``z``: the sum of ``logsumexp(logits) ** 2``;
+  ``tokens``: how many tokens; ``dropped``: how many choices a capacity dropped. Inside a
+  map a shard counts the drops of its own experts, over every shard's tokens: like the
+  rest, the shards' values sum to the whole. Sums, not means, so layers and data shards
+  add up before the losses divide.
   """
 
   counts: Array
   probs: Array
   z: Array
   tokens: Array
+  dropped: Array
 
   def __add__(self, other: RouterStats) -> RouterStats:  # type: ignore[override]
     return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
@@ -123,7 +128,7 @@ def router_stats(logits: Array, probs: Array, experts: Array,
   counts = jnp.sum(picked, axis=(0, 1))
   z = jnp.sum(keep * jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
   return RouterStats(jax.lax.stop_gradient(counts), jnp.sum(probs * keep[:, None], axis=0), z,
-                     jnp.sum(keep))
+                     jnp.sum(keep), jnp.zeros((), jnp.float32))
 
 
 def load_balancing_loss(stats: RouterStats) -> Array:
@@ -171,6 +176,58 @@ def grouped_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Arra
   return jnp.zeros_like(x, dtype=ys.dtype).at[token].add(ys * kept[:, None])
 
 
+DROP_POLICIES = ("probs", "position")
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+  """Choices each expert takes under a capacity ``factor`` (Megatron's and GShard's):
+  ``ceil(factor * tokens * top_k / num_experts)``, at least one."""
+  return max(1, math.ceil(factor * tokens * top_k / num_experts))
+
+
+def capacity_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Array,
+                    down: Array, capacity: int, policy: str,
+                    precision: Any = None) -> tuple[Array, Array]:
+  """``grouped_swiglu`` with each local expert taking at most ``capacity`` choices.
+
+  Each expert keeps, of the choices sent to it, those with the largest routing weight
+  (``policy="probs"``, Megatron's default) or those of the earliest tokens
+  (``"position"``, GShard's), ties going to the earlier token; the rest are dropped:
+  they add nothing to their token's output, which the residual carries (no
+  renormalisation of the kept weights). The kept choices are laid out ``[E_local,
+  capacity, d]`` and run through three batched matmuls of static shape.
+
+  Returns ``(y [n, d], how many choices sent to these experts were dropped)``.
+  """
+  num_local, d = gate.shape[0], x.shape[-1]
+  n, k = slots.shape
+  flat, w = slots.reshape(-1), weights.reshape(-1)
+  index = jnp.arange(n * k)
+  if policy == "probs":  # by expert, then by weight (largest first), then by position
+    order = jnp.lexsort((index, -w.astype(jnp.float32), flat))
+  else:
+    order = jnp.argsort(flat, stable=True)
+  sorted_slots = flat[order]
+  sizes = jnp.bincount(flat, length=num_local + 1)
+  starts = jnp.cumsum(sizes) - sizes
+  rank = index - starts[sorted_slots]  # place in its expert's queue
+  routed_here = sorted_slots < num_local
+  kept = routed_here & (rank < capacity)
+  outside = num_local * capacity
+  dest = jnp.where(kept, sorted_slots * capacity + rank, outside)
+  token = order // k
+  buffer = jnp.zeros((outside, d), x.dtype).at[dest].add(x[token], mode="drop")
+  xe = buffer.reshape(num_local, capacity, d)
+  hidden = (jax.nn.silu(jnp.einsum("ecd,edi->eci", xe, gate, precision=precision))
+            * jnp.einsum("ecd,edi->eci", xe, up, precision=precision))
+  ye = jnp.einsum("eci,eid->ecd", hidden, down, precision=precision).reshape(outside, d)
+  ys = jnp.take(ye, dest, axis=0, mode="fill", fill_value=0)
+  scale = jnp.where(kept, w[order], 0).astype(ys.dtype)
+  y = jnp.zeros((n, d), ys.dtype).at[token].add(ys * scale[:, None])
+  dropped = jnp.sum(routed_here & ~kept).astype(jnp.float32)
+  return y, dropped
+
+
 class MoE(ParallelModule):
   """A mixture-of-experts MLP: ``y = sum_k w_k expert_k(x)`` (+ a gated shared expert).
 
@@ -179,6 +236,13 @@ class MoE(ParallelModule):
   ``"model"`` on the FFN width (see the module docstring); with ``shared_d_ff``, a
   dense ``shared_gate``/``shared_up`` (column) and ``shared_down`` (row) MLP of that
   width, and ``shared_expert_gate [d, 1]`` replicated.
+
+  ``capacity_factor`` (None: dropless): each expert takes at most
+  ``expert_capacity(t, top_k, E, capacity_factor)`` of the choices of the ``t`` tokens
+  one dispatch sees (inside a step, the global batch: every data shard's tokens reach
+  every shard, so what is dropped does not depend on the mesh), chosen by
+  ``drop_policy`` (``capacity_swiglu``), and runs them as static-shape batched matmuls.
+  A call with ``dropless=True`` (decoding) ignores it.
 
   Standalone: ``x [..., d]`` -> ``(y [..., d], RouterStats)`` over all the tokens, in
   one ``shard_map`` over the mesh, with the tokens split over ``"data"`` when it divides
@@ -190,7 +254,8 @@ class MoE(ParallelModule):
 
   def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *,
                mesh: jax.sharding.Mesh, normalize_top_k: bool = True,
-               shared_d_ff: int | None = None, axis_name: str = MODEL_AXIS,
+               shared_d_ff: int | None = None, capacity_factor: float | None = None,
+               drop_policy: str = "probs", axis_name: str = MODEL_AXIS,
                dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None,
                expert_init: Any = default_expert_init,
                router_init: Any = default_router_init,
@@ -205,6 +270,13 @@ class MoE(ParallelModule):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if top_k > num_experts:
       raise ValueError(f"top_k {top_k} is more than num_experts {num_experts}")
+    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
+                                            and 0 < capacity_factor < math.inf):
+      raise ValueError(f"capacity_factor must be a number > 0 or None (dropless), got "
+                       f"{capacity_factor!r}")
+    if drop_policy not in DROP_POLICIES:
+      raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
     self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
     self.normalize_top_k = normalize_top_k
     self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
@@ -266,7 +338,8 @@ class MoE(ParallelModule):
     weights, experts, probs = route(logits, self.top_k, self.normalize_top_k)
     return weights, experts, router_stats(logits, probs, experts, valid)
 
-  def _local(self, x: Array, seq: SequenceSplit | None = None) -> tuple[Array, RouterStats]:
+  def _local(self, x: Array, seq: SequenceSplit | None = None,
+             dropless: bool = False) -> tuple[Array, RouterStats]:
     compute_dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
     if seq is None:
       shape = x.shape
@@ -288,8 +361,9 @@ class MoE(ParallelModule):
       shape = whole.shape
       tokens = whole.reshape(-1, self.d_model)
       weights, experts = weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k)
-    y = self._routed(tokens.astype(compute_dtype), weights.astype(compute_dtype), experts,
-                     compute_dtype)
+    y, dropped = self._routed(tokens.astype(compute_dtype), weights.astype(compute_dtype),
+                              experts, compute_dtype, dropless)
+    stats = stats._replace(dropped=dropped)
     y = y.reshape(shape[:-1] + (self.d_model,))
     if seq is None:
       y = all_reduce(y, "sum", self.axis_name)
@@ -300,10 +374,12 @@ class MoE(ParallelModule):
                            x.astype(compute_dtype), seq)
     return y, stats
 
-  def _routed(self, xc: Array, weights: Array, experts: Array, compute_dtype: Any) -> Array:
+  def _routed(self, xc: Array, weights: Array, experts: Array, compute_dtype: Any,
+              dropless: bool) -> tuple[Array, Array]:
     """This data shard's tokens ``xc [n, d]`` with their routing ``weights, experts
     [n, k]`` through the experts: ``[n, d]``, this device's partial sum over
-    ``"model"`` (the caller reduces it)."""
+    ``"model"`` (the caller reduces it), and how many choices this shard's experts
+    dropped (zero without a capacity)."""
     layout = self.expert_layout
     spread = layout.parts > 1  # the experts are split over "data"
     # Each data shard has its own tokens (the step's case): every shard's tokens come
@@ -319,13 +395,24 @@ class MoE(ParallelModule):
     here = shard_index(DATA_AXIS) if spread else 0
     slots = jnp.where(owner == here, experts - offsets[owner], layout.padded_size)
     gate, up, down = (w.astype(compute_dtype) for w in self._local_experts())
-    y = grouped_swiglu(copy_to_parallel(xc, self.axis_name), slots, weights, gate, up, down,
-                       self.precision)
+    xc = copy_to_parallel(xc, self.axis_name)
+    dropped = jnp.zeros((), jnp.float32)
+    if self.capacity_factor is None or dropless:
+      y = grouped_swiglu(xc, slots, weights, gate, up, down, self.precision)
+    else:
+      capacity = expert_capacity(xc.shape[0], self.top_k, self.num_experts,
+                                 self.capacity_factor)
+      y, dropped = capacity_swiglu(xc, slots, weights, gate, up, down, capacity,
+                                   self.drop_policy, self.precision)
+      if is_varying(dropped, self.axis_name):  # sequence parallel: equal on every device
+        dropped = jax.lax.pmax(jax.lax.stop_gradient(dropped), self.axis_name)
     if gathered:  # each token's partial outputs back to its own shard, summed
       y = reduce_scatter(y, axis=0, axis_name=DATA_AXIS)
     elif spread:
       y = all_reduce(y, "sum", DATA_AXIS)
-    return y
+      if self.capacity_factor is not None and not dropless:  # each shard its own experts'
+        dropped = all_reduce(dropped, "sum", DATA_AXIS)
+    return y, dropped
 
   def _shared(self, x: Array, compute_dtype: Any, block: Array,
               seq: SequenceSplit | None) -> Array:
@@ -346,10 +433,12 @@ class MoE(ParallelModule):
 
   # -- standalone ------------------------------------------------------------------
 
-  def __call__(self, x: Array, seq: SequenceSplit | None = None) -> tuple[Array, RouterStats]:
+  def __call__(self, x: Array, seq: SequenceSplit | None = None, *,
+               dropless: bool = False) -> tuple[Array, RouterStats]:
     """``seq`` (inside a ``shard_map``, sequence parallelism): ``x [b, s_pad, d]`` is this
     device's block of the sequence, split as ``seq`` says (padding rows zero), and so is
-    the output; the statistics are still this data shard's whole sequence's."""
+    the output; the statistics are still this data shard's whole sequence's.
+    ``dropless``: ignore ``capacity_factor`` (a decode step routes as transformers does)."""
     if x.shape[-1] != self.d_model:
       raise ValueError(f"MoE expects inputs [..., {self.d_model}], got {tuple(x.shape)}")
     if self._is_local():
@@ -361,16 +450,17 @@ class MoE(ParallelModule):
         raise ValueError(f"MoE with sequence parallelism expects this device's block "
                          f"[b, {seq.layout.padded_size}, {self.d_model}] over {MODEL_AXIS!r}, "
                          f"got {tuple(x.shape)} over {self.axis_name!r}")
-      return self._local(x, seq)
+      return self._local(x, seq, dropless)
     if seq is not None:
       raise ValueError("MoE(seq=...) is for a call inside a shard_map (sequence parallelism)")
-    stats_sharding = RouterStats(*(NamedSharding(self.mesh, P()),) * 4)
+    stats_sharding = RouterStats(*(NamedSharding(self.mesh, P()),) * len(RouterStats._fields))
+    run = lambda x: self._call_standalone(x, dropless)
     if self.mesh.axis_types[0] != AxisType.Explicit:
-      return self._call_standalone(x)
+      return run(x)
     out = (NamedSharding(self.mesh, P(*(None,) * x.ndim)), stats_sharding)
-    return jax.sharding.auto_axes(self._call_standalone, out_sharding=out)(x)
+    return jax.sharding.auto_axes(run, out_sharding=out)(x)
 
-  def _call_standalone(self, x: Array) -> tuple[Array, RouterStats]:
+  def _call_standalone(self, x: Array, dropless: bool) -> tuple[Array, RouterStats]:
     mesh = map_mesh(self.mesh)
     tokens = x.reshape(-1, self.d_model)
     data = self.mesh.shape[DATA_AXIS]
@@ -379,10 +469,11 @@ class MoE(ParallelModule):
     graphdef, state = nnx.split(self)
 
     def local(state, tokens):
-      y, stats = nnx.merge(graphdef, state)._local(tokens)
+      y, stats = nnx.merge(graphdef, state)._local(tokens, dropless=dropless)
       return y, (stats.all_reduce(DATA_AXIS) if split else stats)
 
     y, stats = jax.jit(jax.shard_map(
         local, mesh=mesh, in_specs=(nnx.get_partition_spec(state), x_spec),
-        out_specs=(x_spec, RouterStats(P(), P(), P(), P())), check_vma=True))(state, tokens)
+        out_specs=(x_spec, RouterStats(*(P(),) * len(RouterStats._fields))),
+        check_vma=True))(state, tokens)
     return y.reshape(x.shape), stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 from flax import nnx
@@ -14,6 +15,8 @@ BYTE_VOCAB = 256
 FULL, SLIDING = "full_attention", "sliding_attention"  # a layer's attention (HF's names)
 NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")
 MLPS = ("gelu", "swiglu", "geglu")
+# flax_tp.moe.DROP_POLICIES (not imported: this module does not import flax_tp)
+DROP_POLICIES = ("probs", "position")
 ROPE_KINDS = ("linear", "llama3", "yarn")
 
 
@@ -112,6 +115,10 @@ class TransformerConfig:
   moe_layers: tuple[int, ...] | None = None  # the layers that are MoE (the rest dense, of
   # width d_ff); None: all of them
   router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in training
+  expert_capacity_factor: float | None = None  # None: dropless; else each expert takes
+  # ceil(factor * tokens * top_k / num_experts) of a step's choices (flax_tp.MoE)
+  expert_drop_policy: str = "probs"  # which choices a full expert keeps: "probs" (the
+  # largest routing weights) or "position" (the earliest tokens)
   # How a step runs (sequence parallelism, remat, scanned layers, FSDP) is not here:
   # see models.execution.Execution.
 
@@ -178,6 +185,13 @@ class TransformerConfig:
                          f"{self.num_layers}), got {self.moe_layers!r}")
     if self.router_aux_loss_coef < 0:
       raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
+    factor = self.expert_capacity_factor
+    if factor is not None and not (isinstance(factor, (int, float)) and 0 < factor < math.inf):
+      raise ValueError(f"expert_capacity_factor must be a number > 0 or None (dropless), got "
+                       f"{factor!r}")
+    if self.expert_drop_policy not in DROP_POLICIES:
+      raise ValueError(f"expert_drop_policy must be one of {DROP_POLICIES}, got "
+                       f"{self.expert_drop_policy!r}")
 
   def identity(self) -> dict:
     """The fields that define the model (what a checkpoint must match), as JSON holds
@@ -281,7 +295,8 @@ ADDED_FIELDS = frozenset((
     "rope_scaling", "rotary_fraction", "rope_local_base", "qk_norm", "layer_types",
     "sliding_window", "embed_scale", "attn_scale", "attn_softcap", "final_softcap",
     "sandwich_norm", "family", "num_experts", "experts_per_token", "expert_d_ff",
-    "shared_expert_d_ff", "normalize_top_k", "moe_layers", "router_aux_loss_coef"))
+    "shared_expert_d_ff", "normalize_top_k", "moe_layers", "router_aux_loss_coef",
+    "expert_capacity_factor", "expert_drop_policy"))
 
 
 def check_architecture_fields(overrides: dict) -> None:

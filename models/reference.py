@@ -7,6 +7,8 @@ nothing from flax_tp.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -95,6 +97,11 @@ class LoopMoE(nnx.Module):
     if cfg.normalize_top_k:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights.astype(dtype)
+    if cfg.expert_capacity_factor is not None:  # dropped choices weigh nothing
+      capacity = max(1, math.ceil(cfg.expert_capacity_factor * x.shape[0]
+                                  * cfg.experts_per_token / cfg.num_experts))
+      kept = capacity_kept(experts, weights, capacity, cfg.expert_drop_policy)
+      weights = jnp.where(kept, weights, jnp.zeros((), weights.dtype))
     xc = x.astype(dtype)
     y = jnp.zeros_like(xc)
     for e in range(cfg.num_experts):
@@ -105,6 +112,20 @@ class LoopMoE(nnx.Module):
       shared = self.shared_down(jax.nn.silu(self.shared_gate(xc)) * self.shared_up(xc))
       y = y + jax.nn.sigmoid(xc @ self.shared_expert_gate[...].astype(dtype)) * shared
     return y.reshape(x_bsd.shape), logits
+
+
+def capacity_kept(experts, weights, capacity: int, policy: str):
+  """``[t, k]`` bool: the choices (``experts, weights [t, k]``) their experts keep when
+  each takes at most ``capacity``: a choice is kept when fewer than ``capacity`` choices
+  of its expert come before it, by weight (largest first, ``"probs"``) then position,
+  or by position alone (``"position"``). Written as pairwise comparisons."""
+  e, w = experts.reshape(-1), weights.reshape(-1).astype(jnp.float32)
+  at = jnp.arange(e.shape[0])
+  earlier = at[None, :] < at[:, None]  # [c, c']: c' comes before c
+  if policy == "probs":
+    earlier = (w[None, :] > w[:, None]) | ((w[None, :] == w[:, None]) & earlier)
+  ahead = jnp.sum((e[None, :] == e[:, None]) & earlier, axis=1)
+  return (ahead < capacity).reshape(experts.shape)
 
 
 def load_balancing_loss(router_logits: list, top_k: int):

@@ -172,7 +172,9 @@ def moe_layer(cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs) -> flax_tp.
   """A block's mixture of experts: experts over "data", each expert's FFN over "model"."""
   return flax_tp.MoE(cfg.d_model, cfg.expert_width, cfg.num_experts, cfg.experts_per_token,
                      mesh=mesh, normalize_top_k=cfg.normalize_top_k,
-                     shared_d_ff=cfg.shared_expert_d_ff, dtype=cfg.compute_dtype, rngs=rngs)
+                     shared_d_ff=cfg.shared_expert_d_ff,
+                     capacity_factor=cfg.expert_capacity_factor,
+                     drop_policy=cfg.expert_drop_policy, dtype=cfg.compute_dtype, rngs=rngs)
 
 
 class ParallelBlock(nnx.Module):
@@ -197,18 +199,19 @@ class ParallelBlock(nnx.Module):
   def is_moe(self) -> bool:
     return isinstance(self.mlp, flax_tp.MoE)
 
-  def _mlp(self, x_bsd, seq=None):
+  def _mlp(self, x_bsd, seq=None, dropless=False):
     """The MLP's output and, for a MoE, its router statistics (else None)."""
     if not self.is_moe:
       return self.mlp(x_bsd, seq), None
-    return self.mlp(x_bsd, seq)
+    return self.mlp(x_bsd, seq, dropless=dropless)
 
   def extend(self, x_bsd, cache, positions, layer):
     """Block ``layer`` on new tokens with a KV cache (no dropout: inference). A MoE
-    routes each new token alone, as in training."""
+    routes each new token alone, as in training, and drops nothing (a capacity factor
+    is for training's static shapes; transformers decodes dropless)."""
     attn, cache = self.attn.extend(self.ln1(x_bsd), cache, positions, layer)
     x_bsd = x_bsd + self._attn_out(attn)
-    return x_bsd + self._mlp_out(self._mlp(self.ln2(x_bsd))[0]), cache
+    return x_bsd + self._mlp_out(self._mlp(self.ln2(x_bsd), dropless=True)[0]), cache
 
   def __call__(self, x_bsd, key, layer, rows, seq=None):
     """``[b, s, d]`` replicated, or with ``seq`` this device's block ``[b, s_pad, d]``

@@ -220,6 +220,12 @@ def test_no_blank_line_before_an_error_on_a_cold_cache(tmp_path, monkeypatch, ca
     (["--weight-decay", "nan"], "--weight-decay must be a number >= 0, got nan"),
     (["--lr", "inf"], "--lr must be a positive number, got inf"),
     (["--z-loss", "nan"], "--z-loss must be a number >= 0, got nan"),
+    (["--expert-capacity-factor", "0"], "--expert-capacity-factor must be a positive number, "
+     "got 0.0"),
+    (["--expert-capacity-factor", "1"], "--expert-capacity-factor 1.0 is for a model with "
+     "experts; this one has none"),
+    (["--expert-drop-policy", "position"], "--expert-drop-policy needs "
+     "--expert-capacity-factor"),
     (["--steps", "99999999999"], "--steps must be an integer in [1, 2147483647]"),
     (["--checkpoint-dir", "/proc/foo"], "--checkpoint-dir '/proc/foo' cannot be created"),
     (["--checkpoint-dir", __file__], "is a file, not a folder"),

@@ -404,7 +404,7 @@ def test_a_moe_family_fine_tunes_resumes_exports_and_transformers_reads_it(tmp_p
   ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
   assert main([*flags, "--mesh", "2x4", "--remat", "block", "--fsdp", "--checkpoint-dir",
                str(ck), "--checkpoint-every", "3", "--metrics-file", str(metrics)]) == 0
-  assert "experts: 6 in each of 1 MoE layer(s), top-2 | over data: 3, 3" in capsys.readouterr().out
+  assert "experts: 6 in each of 1 MoE layer(s), top-2, dropless | over data: 3, 3" in capsys.readouterr().out
   losses = logged_losses(metrics)
   assert len(losses) == 6 and losses[-1] < losses[0]
   record = json.loads(metrics.read_text().splitlines()[-1])

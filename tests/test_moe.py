@@ -22,14 +22,19 @@ D_MODEL, D_FF, EXPERTS, TOP_K, SHARED_FF = 12, 10, 6, 2, 7
 TOKENS = 24  # divisible by every data axis below
 
 
-def loop_moe(p: dict, x, top_k: int, normalize: bool):
+def loop_moe(p: dict, x, top_k: int, normalize: bool, capacity=None, policy="probs"):
   """The reference: every expert on every token, weighted by the routing (zero where a
-  token did not choose it); the shared expert as a plain SwiGLU with its sigmoid gate."""
+  token did not choose it, or, with a ``capacity``, where its expert dropped the choice:
+  ``models.reference.capacity_kept``); the shared expert as a plain SwiGLU with its
+  sigmoid gate."""
+  from models.reference import capacity_kept
   logits = x @ p["router"]
   probs = jax.nn.softmax(logits, axis=-1)
   weights, experts = jax.lax.top_k(probs, top_k)
   if normalize:
     weights = weights / weights.sum(-1, keepdims=True)
+  if capacity is not None:
+    weights = jnp.where(capacity_kept(experts, weights, capacity, policy), weights, 0)
   y = jnp.zeros_like(x)
   for e in range(p["gate"].shape[0]):
     out = (jax.nn.silu(x @ p["gate"][e]) * (x @ p["up"][e])) @ p["down"][e]
@@ -110,6 +115,55 @@ def test_moe_equals_a_loop_over_experts(meshes, mesh_spec, normalize, shared):
     np.testing.assert_allclose(grads[name], g, rtol=2e-5, atol=1e-5 * np.abs(g).max(),
                                err_msg=name)
     assert np.abs(g).max() > 1e-4, name  # every param's gradient is exercised
+
+
+@pytest.mark.parametrize("mesh_spec,policy,factor", [
+    ("1x1", "probs", 1.0), ("2x4", "position", 1.0), ("4x2", "probs", 0.5),
+    ("8x1", "position", 1.25), ("1x3", "probs", 3.0)])
+def test_capacity_drops_the_choices_the_policy_says(meshes, mesh_spec, policy, factor):
+  """With a capacity factor each expert keeps ceil(factor * 24 * 2 / 6) choices of the
+  24 tokens (whatever the mesh: the dispatch sees every shard's tokens), by weight or by
+  position; the output, the dropped count and every gradient equal the loop's with the
+  same choices zeroed. Factor 3 = E / k keeps everything: equal to the dropless MoE."""
+  from flax_tp.moe import expert_capacity
+  from models.reference import capacity_kept
+  mesh = meshes[mesh_spec]
+  moe = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=mesh, shared_d_ff=SHARED_FF,
+            capacity_factor=factor, drop_policy=policy, rngs=nnx.Rngs(0))
+  p = logical_params(moe)
+  x = make_inputs()
+  tokens = x.reshape(-1, D_MODEL)
+  capacity = expert_capacity(TOKENS, TOP_K, EXPERTS, factor)
+  assert capacity == -(-int(factor * TOKENS * TOP_K) // EXPERTS)
+  weights, experts = jax.lax.top_k(jax.nn.softmax(tokens @ p["router"], -1), TOP_K)
+  weights = weights / weights.sum(-1, keepdims=True)
+  kept = np.asarray(capacity_kept(experts, weights, capacity, policy))
+  if factor < EXPERTS / TOP_K:
+    assert (~kept).sum() > 0  # the routing overflows some expert: drops are exercised
+  else:
+    assert kept.all()
+
+  y, stats = jax.jit(lambda m, x: m(x))(moe, x)
+  ref_y, ref_aux, _ = loop_moe(p, tokens, TOP_K, True, capacity, policy)
+  np.testing.assert_allclose(y.reshape(-1, D_MODEL), ref_y, rtol=1e-5, atol=1e-6)
+  assert float(stats.dropped) == (~kept).sum()
+  # the load-balancing loss sees the routing before any drop (Megatron's too)
+  np.testing.assert_allclose(load_balancing_loss(stats), ref_aux, rtol=1e-6)
+  if kept.all():
+    dropless = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=mesh, shared_d_ff=SHARED_FF,
+                   rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(y, jax.jit(lambda m, x: m(x)[0])(dropless, x), rtol=1e-5,
+                               atol=1e-6)
+  np.testing.assert_allclose(jax.jit(lambda m, x: m(x, dropless=True)[0])(moe, x),
+                             loop_moe(p, tokens, TOP_K, True)[0].reshape(x.shape), rtol=1e-5,
+                             atol=1e-6)
+
+  grads = flat_grads(jax.jit(nnx.grad(lambda m: jnp.sum(m(x)[0] * jnp.cos(m(x)[0]))))(moe))
+  ref_grads = jax.grad(lambda p: jnp.sum(
+      (r := loop_moe(p, tokens, TOP_K, True, capacity, policy)[0]) * jnp.cos(r)))(p)
+  for name, g in ref_grads.items():
+    np.testing.assert_allclose(grads[name], g, rtol=2e-5, atol=1e-5 * np.abs(g).max(),
+                               err_msg=name)
 
 
 def test_padding_stays_zero_with_zero_gradient(meshes):
@@ -354,4 +408,43 @@ def test_dense_and_moe_layers_mixed(meshes):
   loss, _ = jax.jit(trainer.loss_and_grads)(trainer.params,
                                             jax.device_put(tokens, trainer.batch_sharding))
   np.testing.assert_allclose(loss, jax.jit(lambda t: reference_loss(ref, t))(tokens),
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize("mesh_spec,options", [
+    ("2x4", {"sequence_parallel": True}),
+    pytest.param("1x8", {"scan_layers": True, "remat": "block"}, marks=pytest.mark.slow)])
+def test_transformer_with_a_capacity_trains_as_the_reference(meshes, mesh_spec, options):
+  """A capacity factor of 1 (each expert takes ceil(8 * 17 * 2 / 6) = 46 of a step's
+  choices, kept by weight): loss and every gradient equal the reference's, which zeroes
+  the same choices; the metrics file's expert_dropped is the reference's count."""
+  from models.config import TransformerConfig
+  from models.execution import Execution
+  from models.reference import ReferenceTransformer, capacity_kept, reference_loss
+  from models.transformer import Transformer
+  from tests.helpers import assert_state_close
+  from train.step import Trainer, make_optimizer
+  cfg = TransformerConfig.preset("llama-tiny", **MOE_CFG, expert_capacity_factor=1.0)
+  tokens = jax.random.randint(jax.random.key(1), (8, cfg.max_seq_len + 1), 0, cfg.vocab_size)
+  ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  _, router_logits = jax.jit(lambda t: ref(t, return_router_logits=True))(tokens)
+  capacity = -(-8 * 17 * 2 // 6)
+  dropped = 0
+  for logits in router_logits:
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, -1), 2)
+    kept = capacity_kept(experts, weights / weights.sum(-1, keepdims=True), capacity, "probs")
+    dropped += int((~np.asarray(kept)).sum())
+  assert dropped > 0
+  ref_loss, ref_grads = jax.jit(nnx.value_and_grad(lambda m: reference_loss(m, tokens)))(ref)
+
+  model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0),
+                      execution=Execution(**options))
+  trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1, warmup_steps=0))
+  placed = jax.device_put(tokens, trainer.batch_sharding)
+  loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, placed)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  assert_state_close(grads, nnx.state(ref_grads, nnx.Param), rtol=1e-4, atol=1e-6)
+  _, _, out = trainer.train_step(trainer.params, trainer.init_opt_state(trainer.params),
+                                 placed, None)
+  np.testing.assert_allclose(float(out["expert_dropped"]), dropped / (2 * 8 * 17 * 2),
                              rtol=1e-6)

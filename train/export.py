@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
       shutil.copyfile(source / name, out / name)
   print(f"wrote {out} ({model.cfg.family or 'llama/qwen2'} family, "
         f"{sum(1 for _ in out.iterdir())} files)")
+  if model.cfg.expert_capacity_factor is not None:  # an HF config has no such field
+    print(f"note: trained with expert capacity factor {model.cfg.expert_capacity_factor:g}; "
+          "transformers runs the experts dropless")
   return 0
 
 

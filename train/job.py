@@ -18,14 +18,22 @@ class ModelJob:
   seq_len: int = 128
   dropout: float = 0.0
   dtype: str = "float32"
+  # mixture of experts: None trains dropless; else each expert's capacity (flax_tp.MoE)
+  expert_capacity_factor: float | None = None
+  expert_drop_policy: str = "probs"
 
   @property
   def preset_name(self) -> str:
     return self.preset or "small"
 
   def overrides(self) -> dict:
-    """The config fields the job sets, whatever the preset or HF config says."""
-    return dict(max_seq_len=self.seq_len, dropout=self.dropout, dtype=self.dtype)
+    """The config fields the job sets, whatever the preset or HF config says (a capacity
+    only when one is asked for: a dense model has no expert fields to set)."""
+    out = dict(max_seq_len=self.seq_len, dropout=self.dropout, dtype=self.dtype)
+    if self.expert_capacity_factor is not None:
+      out.update(expert_capacity_factor=self.expert_capacity_factor,
+                 expert_drop_policy=self.expert_drop_policy)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +110,9 @@ class Job:
     return cls(
         mesh=args.mesh,
         model=section(ModelJob, preset="preset", init_from="init_from", seq_len="seq_len",
-                      dropout="dropout", dtype="dtype"),
+                      dropout="dropout", dtype="dtype",
+                      expert_capacity_factor="expert_capacity_factor",
+                      expert_drop_policy="expert_drop_policy"),
         execution=section(Execution, sequence_parallel="sequence_parallel", remat="remat",
                           scan_layers="scan_layers", fsdp="fsdp"),
         optimizer=section(OptimizerJob, lr="lr", warmup_steps="warmup_steps",

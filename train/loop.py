@@ -152,6 +152,7 @@ class _Run(SetUp):
         if "expert_load" in out:  # mixture of experts: the router's figures
           record.update(router_aux_loss=float(out["router_aux_loss"]),
                         router_z_loss=float(out["router_z_loss"]),
+                        expert_dropped=float(out["expert_dropped"]),
                         expert_load=[round(float(v), 5) for v in out["expert_load"]])
         if (schedule.eval_every and done % schedule.eval_every == 0) or done == steps:
           self.last_eval = record["eval_loss"] = self.evaluate()

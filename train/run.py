@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
                  help="mixture of experts: weight of the router z-loss (the router logits' "
                       "logsumexp squared, ST-MoE) added to the loss; the load-balancing "
                       "loss's weight is the model's router_aux_loss_coef")
+  p.add_argument("--expert-capacity-factor", type=float, default=d["expert_capacity_factor"],
+                 help="mixture of experts: each expert takes at most ceil(F * tokens * "
+                      "top_k / experts) of a step's routed choices, the rest dropped "
+                      "(counted in the metrics as expert_dropped); default: dropless")
+  p.add_argument("--expert-drop-policy", default=d["expert_drop_policy"],
+                 choices=["probs", "position"],
+                 help="which choices a full expert keeps: the largest routing weights "
+                      "(Megatron's default) or the earliest tokens")
   p.add_argument("--dropout", type=float, default=d["dropout"],
                  help="dropout rate; masks do not depend on the mesh")
   p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"],
@@ -153,10 +161,15 @@ def check_args(args: argparse.Namespace) -> None:
                   "z_loss": ("a number >= 0", lambda v: v >= 0),
                   "router_z_loss": ("a number >= 0", lambda v: v >= 0),
                   "dropout": ("a number in [0, 1)", lambda v: 0 <= v < 1)}
+  if args.expert_capacity_factor is not None:
+    float_ranges["expert_capacity_factor"] = ("a positive number", lambda v: v > 0)
   for name, (expected, ok) in float_ranges.items():
     value = getattr(args, name)
     if not (math.isfinite(value) and ok(value)):
       raise UsageError(f"{_flag(name)} must be {expected}, got {value}")
+  if args.expert_drop_policy != "probs" and args.expert_capacity_factor is None:
+    raise UsageError("--expert-drop-policy needs --expert-capacity-factor (without one "
+                     "nothing is dropped)")
   if not_utf8(args.sample_prompt):
     raise UsageError(f"--sample-prompt: {not_utf8(args.sample_prompt)}")
   if args.resume and args.overwrite:

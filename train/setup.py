@@ -72,6 +72,9 @@ class SetUp:
       self.cfg = TransformerConfig.preset(job.model.preset_name, **overrides)
     if why := execution_lib.unsupported(self.cfg, self.execution):
       raise UsageError(why)
+    if job.model.expert_capacity_factor is not None and not self.cfg.has_experts:
+      raise UsageError(f"--expert-capacity-factor {job.model.expert_capacity_factor} is for a "
+                       f"model with experts; this one has none")
     self.checkpointer = None
     if job.checkpoint.dir:
       self.checkpointer = Checkpointer(job.checkpoint.dir,
@@ -170,7 +173,10 @@ def experts_line(cfg, data: int, model: int) -> str:
               else "every expert on every device: no dispatch")
   shared = (f" | shared expert FFN {cfg.shared_expert_d_ff}" if cfg.shared_expert_d_ff
             else "")
+  capacity = ("dropless" if cfg.expert_capacity_factor is None else
+              f"capacity factor {cfg.expert_capacity_factor:g}, full experts keep the "
+              + ("largest weights" if cfg.expert_drop_policy == "probs" else "earliest tokens"))
   return (f"experts: {cfg.num_experts} in each of {layers} MoE layer(s), top-"
-          f"{cfg.experts_per_token} | over data: {per_shard} per shard{padded} | each "
-          f"expert's FFN {cfg.expert_width} over model: {', '.join(map(str, ffn.sizes))}"
-          f"{shared} | {dispatch}")
+          f"{cfg.experts_per_token}, {capacity} | over data: {per_shard} per shard{padded} | "
+          f"each expert's FFN {cfg.expert_width} over model: "
+          f"{', '.join(map(str, ffn.sizes))}{shared} | {dispatch}")

@@ -93,10 +93,12 @@ class LossOptions:
 def moe_metrics(stats: flax_tp.RouterStats, num_experts: int, top_k: int) -> dict[str, Any]:
   """A step's mixture-of-experts figures from its global router statistics (every MoE
   layer and token): the load-balancing and z losses (unweighted) and each expert's share
-  of the routed choices, summed over layers (1 / num_experts each when balanced)."""
+  of the routed choices, summed over layers (1 / num_experts each when balanced), and
+  the share of choices a capacity dropped (0 when dropless)."""
   return {"router_aux_loss": flax_tp.load_balancing_loss(stats),
           "router_z_loss": flax_tp.router_z_loss(stats),
-          "expert_load": stats.counts / (stats.tokens * top_k)}
+          "expert_load": stats.counts / (stats.tokens * top_k),
+          "expert_dropped": stats.dropped / (stats.tokens * top_k)}
 
 
 class Trainer:
@@ -207,7 +209,7 @@ class Trainer:
     metrics = {}
     if self.cfg.has_experts:
       loss = functools.partial(self._local_loss, options=self.loss_options, with_router=True)
-      stats_specs = flax_tp.RouterStats(P(), P(), P(), P())
+      stats_specs = flax_tp.RouterStats(*(P(),) * len(flax_tp.RouterStats._fields))
       (loss, stats), grads = self._map(jax.value_and_grad(loss, has_aux=True),
                                        ((P(), stats_specs), self.specs))(params, tokens, key)
       metrics.update(moe_metrics(stats, self.cfg.num_experts, self.cfg.experts_per_token))
