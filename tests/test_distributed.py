@@ -73,6 +73,29 @@ def test_two_processes_equal_one_and_checkpoint_moves_to_one_process(tmp_path, c
   np.testing.assert_allclose(losses(resumed), losses(single)[3:], rtol=1e-5)
 
 
+def test_experts_over_data_across_two_processes_equal_one(tmp_path, corpus):
+  """moe-tiny with its 6 experts split over the data axis, which spans the two processes:
+  each token's dispatch (all-gather over data) and combine (reduce-scatter) go between
+  them, with a capacity and sequence parallelism too. Losses, expert loads and drops are
+  the single process's."""
+  flags = [*FLAGS, "--preset", "moe-tiny", "--mesh", "2x4", "--steps", "3",
+           "--expert-capacity-factor", "1.0", "--sequence-parallel", "--data", corpus]
+  two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
+  out = subprocess.run(
+      [sys.executable, str(ROOT / "train" / "launch.py"), "--processes", "2", "--", *flags,
+       "--metrics-file", str(two)], capture_output=True, text=True, env=clean_env(),
+      timeout=240)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "2 process(es)" in out.stdout and "over data: 3, 3 per shard" in out.stdout
+  assert main([*flags, "--metrics-file", str(one)]) == 0
+  steps_two, steps_one = ([r for r in records(p) if "loss" in r] for p in (two, one))
+  assert len(steps_two) == 3
+  for name in ("loss", "router_aux_loss", "expert_dropped", "expert_load"):
+    np.testing.assert_allclose([r[name] for r in steps_two], [r[name] for r in steps_one],
+                               rtol=1e-5, err_msg=name)
+  assert steps_one[0]["expert_dropped"] > 0
+
+
 def _wait_for_steps(launcher, metrics, steps: int) -> None:
   """Until the launched run's metrics file holds ``steps`` losses (bounded: 120 s)."""
   deadline = time.time() + 120
