@@ -25,7 +25,7 @@ from flax_tp.partition import (
 )
 from flax_tp.plan import explain_plan, parallelize
 from flax_tp.sampling import vocab_parallel_sample
-from flax_tp.stack import stack_layers
+from flax_tp.stack import layer_runs, stack_layer_runs, stack_layers
 
 __all__ = [
     "all_gather",
@@ -59,6 +59,8 @@ __all__ = [
     "ShardLayout",
     "split_tensor_for_parallelism",
     "stack_layers",
+    "stack_layer_runs",
+    "layer_runs",
     "unshard",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_sample",

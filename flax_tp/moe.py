@@ -26,6 +26,10 @@ padding rows out of the statistics, then gathers the tokens and their routing ov
 reduce-scattered back to the block instead of all-reduced. The replicated router and
 shared-expert gate so see each token once, and their gradients need no extra sum.
 
+With a ``capacity_factor`` each expert takes at most ``expert_capacity`` of the choices
+one dispatch sees, chosen by a drop policy (``capacity_swiglu``), and runs them as
+batched matmuls of static shape ``[E_local, capacity, d]``; the drops are counted.
+
 Why not all-to-all: ``jax.lax.ragged_all_to_all`` (the dropless all-to-all) is
 unimplemented on XLA:CPU (jax 0.10.2), and a static ``all_to_all`` that drops nothing
 must size every send buffer for all of a shard's routed tokens, ``D`` times the

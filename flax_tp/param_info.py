@@ -9,7 +9,8 @@ A parallel parameter is an ``nnx.Param`` holding a global ``jax.Array`` in its s
   ``"model"``, so that its padding can be stripped. Absent on replicated params;
 - ``tp_layers`` / ``tp_layer_at``: only on a param holding the same param of several
   layers stacked on a new leading axis (``stack_layers``): how many, and where the
-  layer number goes in its per-layer path;
+  layer number goes in its per-layer path; ``tp_first_layer`` on a run of a model's
+  layers stacked apart from the others (``stack_layer_runs``): its first layer's number;
 - ``fsdp_dim``: the dimension split over ``"data"`` too (FSDP), and ``fsdp_per_block``:
   that a block gathers it (``flax_tp.data_parallel``);
 - ``ep_layout`` / ``ep_dim``: on a mixture of experts' expert weights, the
@@ -36,7 +37,7 @@ from flax_tp.partition import ShardLayout
 # flax_tp's own metadata keys, by ParamInfo field; a user's metadata may not set them.
 FSDP_DIM, FSDP_PER_BLOCK = "fsdp_dim", "fsdp_per_block"
 KEYS = {"layout": "tp_layout", "dim": "tp_dim", "layers": "tp_layers",
-        "layer_at": "tp_layer_at", "fsdp_dim": FSDP_DIM, "fsdp_per_block": FSDP_PER_BLOCK,
+        "layer_at": "tp_layer_at", "first_layer": "tp_first_layer", "fsdp_dim": FSDP_DIM, "fsdp_per_block": FSDP_PER_BLOCK,
         "expert_layout": "ep_layout", "expert_dim": "ep_dim"}
 FLAX_TP_KEYS = tuple(KEYS.values())
 # nnx's keys that say where a param lives.
@@ -53,6 +54,8 @@ class ParamInfo:
   dim: int | None = None  # which dim that is
   layers: int | None = None  # stacked: how many layers on the leading axis
   layer_at: int | None = None  # stacked: where the layer goes in its per-layer path
+  first_layer: int | None = None  # stacked as one run of a model's layers (stack_layer_runs):
+  # the number of its first layer, which replaces the run's index in the per-layer path
   fsdp_dim: int | None = None  # the dim split over "data" too (FSDP)
   fsdp_per_block: bool = False  # FSDP: gathered by its block, not by gather_for_step
   expert_layout: ShardLayout | None = None  # experts split over "data" (expert parallel)
@@ -106,7 +109,8 @@ class ParamInfo:
     shift = lambda d: None if d is None else d - 1
     return dataclasses.replace(self, names=None if self.names is None else self.names[1:],
                                dim=shift(self.dim), expert_dim=shift(self.expert_dim),
-                               layers=None, layer_at=None, fsdp_dim=shift(self.fsdp_dim))
+                               layers=None, layer_at=None, first_layer=None,
+                               fsdp_dim=shift(self.fsdp_dim))
 
   def unpad(self, stored: Any) -> Any:
     """The logical value of the whole stored array ``stored`` (padding stripped from

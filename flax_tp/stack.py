@@ -30,7 +30,11 @@ def layer_path(path: tuple, var: nnx.Variable, layer: int) -> tuple:
   ``(0, "mu", ...)``): the layer number goes before the param's path inside the
   stacked module, which is counted from the end.
   """
-  at = len(path) + ParamInfo.of(var).layer_at
+  info = ParamInfo.of(var)
+  at = len(path) + info.layer_at
+  if info.first_layer is not None:  # one run of several: its index in the list of runs
+    # (just before the stacked module's own path) becomes the layer's number
+    return tuple(path[:at - 1]) + (info.first_layer + layer,) + tuple(path[at:])
   return tuple(path[:at]) + (layer,) + tuple(path[at:])
 
 
@@ -45,7 +49,7 @@ def _stacker(sharding: NamedSharding) -> Callable[..., jax.Array]:
   return jax.jit(lambda *values: jnp.stack(values), out_shardings=sharding)
 
 
-def stack_layers(modules: Sequence[nnx.Module]) -> nnx.Module:
+def stack_layers(modules: Sequence[nnx.Module], first_layer: int | None = None) -> nnx.Module:
   """One module whose params hold ``modules``' params stacked on a new leading axis.
 
   ``modules`` have one structure and live on one mesh (every param carries its
@@ -54,6 +58,8 @@ def stack_layers(modules: Sequence[nnx.Module]) -> nnx.Module:
   its spec gains a leading ``None`` and its split dim moves by one. A
   ``jax.lax.scan`` over the stacked state then runs the layers in order, and the
   optimizer sees one array per kind of param, not one per layer.
+  ``first_layer``: the modules are layers ``first_layer ..`` of a model whose runs of
+  layers are stacked apart (``stack_layer_runs``).
   Returns the first module.
   """
   if not modules:
@@ -70,8 +76,38 @@ def stack_layers(modules: Sequence[nnx.Module]) -> nnx.Module:
         *[flat[path][...] for flat in flats]))
     shifted = {field: getattr(info, field) + 1 for field in ("dim", "expert_dim")
                if getattr(info, field) is not None}
-    record(var, names=names, layers=len(modules), layer_at=-len(path), **shifted)
+    record(var, names=names, layers=len(modules), layer_at=-len(path),
+           first_layer=first_layer, **shifted)
   return modules[0]
+
+
+def stack_layer_runs(modules: Sequence[nnx.Module], kinds: Sequence[Any]) -> nnx.Module:
+  """``modules`` (a model's layers in order) stacked for scanning, by runs of one kind.
+
+  ``kinds[i]`` says which structure layer ``i`` has (a dense or a mixture-of-experts
+  block). Layers of one kind throughout: one ``stack_layers`` module. Else an
+  ``nnx.List`` of one stacked module per run of consecutive layers of one kind, each
+  scanned in turn (``layer_runs``); per-layer names and checkpoints stay those of the
+  unstacked layers.
+  """
+  if len(kinds) != len(modules):
+    raise ValueError(f"{len(kinds)} kinds for {len(modules)} layers")
+  starts = [i for i in range(len(modules)) if i == 0 or kinds[i] != kinds[i - 1]]
+  if len(starts) == 1:
+    return stack_layers(modules)
+  ends = starts[1:] + [len(modules)]
+  return nnx.List([stack_layers(modules[a:b], first_layer=a)
+                   for a, b in zip(starts, ends, strict=True)])
+
+
+def layer_runs(stacked: nnx.Module) -> list[tuple[nnx.Module, int, int]]:
+  """``(module, first layer, layers)`` of each run of ``stack_layer_runs``'s result."""
+  runs = list(stacked) if isinstance(stacked, nnx.List) else [stacked]
+  out = []
+  for run in runs:
+    info = ParamInfo.of(next(v for _, v in nnx.to_flat_state(nnx.state(run, nnx.Param))))
+    out.append((run, info.first_layer or 0, info.layers))
+  return out
 
 
 @functools.partial(jax.jit, donate_argnums=0)

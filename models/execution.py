@@ -9,7 +9,9 @@ the model), and applied to a built model in one place, ``apply``, in this order:
    each block's attention output and MLP down projection) reduce-scatter over the
    sequence instead of all-reducing (Megatron-SP); it changes no param;
 2. scanned layers: the blocks' params stacked ``[num_layers, ...]`` into one module
-   (after 1, so the stacked module's graph carries it);
+   (after 1, so the stacked module's graph carries it); a model mixing dense and
+   mixture-of-experts blocks gets one stacked module per run of blocks of one kind,
+   scanned in turn;
 3. FSDP: every param split over ``"data"`` too (last: it splits the stacked params
    once, on their final shapes).
 
@@ -51,7 +53,7 @@ def set_sequence_parallel(model: Any, on: bool) -> None:
   """Step 1 of ``apply`` on ``model`` (a ``Transformer``), in place: its region-closing
   layers scatter over the sequence (``on``) or all-reduce."""
   model.embed.sequence_parallel = on
-  # the blocks one by one, or (scanned) the one module of their stacked params
+  # the blocks one by one, or (scanned) the module(s) of their stacked params
   blocks = list(model.blocks) if isinstance(model.blocks, nnx.List) else [model.blocks]
   for block in blocks:
     block.attn.o.sequence_parallel = on
@@ -60,29 +62,20 @@ def set_sequence_parallel(model: Any, on: bool) -> None:
     block.mlp.down.sequence_parallel = on
 
 
-def unsupported(cfg: Any, execution: Execution) -> str | None:
-  """Why ``execution`` cannot run a model of ``cfg`` (a ``TransformerConfig``), or None."""
-  if not cfg.has_experts:
-    return None
-  if execution.scan_layers and len({cfg.is_moe_layer(i) for i in range(cfg.num_layers)}) > 1:
-    return (f"scanned layers need blocks of one structure; this model mixes dense and "
-            f"mixture-of-experts layers (moe_layers={cfg.moe_layers}): run without them")
-  return None
-
-
 def apply(model: Any, execution: Execution) -> None:
   """Applies ``execution`` to a freshly built ``Transformer`` (blocks in an ``nnx.List``,
   nothing split over ``"data"``), in place, in the module docstring's order. (The params
   FSDP leaves replicated over ``"data"`` are read back from their records where they are
   reported, after a checkpoint or HF weights are loaded too.)"""
-  if why := unsupported(model.cfg, execution):
-    raise ValueError(why)
   set_sequence_parallel(model, execution.sequence_parallel)
   if execution.scan_layers:
-    # One module holding every block's params stacked [num_layers, ...]: the scan
-    # reads them in place and the optimizer sees one array per kind of param.
-    # Initialised per block first, so the values do not depend on it.
-    model.blocks = flax_tp.stack_layers(list(model.blocks))
+    # One module holding every block's params stacked [num_layers, ...] (one per run
+    # of dense or MoE blocks): the scan reads them in place and the optimizer sees one
+    # array per kind of param. Initialised per block first, so the values do not
+    # depend on it.
+    cfg = model.cfg
+    model.blocks = flax_tp.stack_layer_runs(
+        list(model.blocks), [cfg.is_moe_layer(i) for i in range(cfg.num_layers)])
   if execution.fsdp:  # params (and so the optimizer state) split over "data" too
     shard_over_data(model, per_block=(model.blocks,))
   model.execution = execution

@@ -287,38 +287,51 @@ class Transformer(nnx.Module):
                             cfg.final_softcap)
     return (logits, stats) if return_router_stats else logits
 
+  def _runs(self):
+    """``(module, first layer, layers)`` per run of blocks: all the blocks (an
+    ``nnx.List``) unscanned; scanned, each stacked run (``flax_tp.layer_runs``: one,
+    or one per run of dense or MoE blocks)."""
+    if not self.execution.scan_layers:
+      return [(self.blocks, 0, self.cfg.num_layers)]
+    return flax_tp.layer_runs(self.blocks)
+
   def _blocks(self, x, key, rows, seq):
     """The blocks in order (``flax_tp.remat.run_blocks``): a Python loop, or one
-    ``lax.scan`` over their stacked params; each recomputed in backward under ``remat``.
+    ``lax.scan`` per stacked run of blocks; each recomputed in backward under ``remat``.
     Returns ``(x, the MoE layers' RouterStats summed, or None)``."""
     execution = self.execution
-    if not self.cfg.has_experts:
-      return run_blocks(self.blocks, x,
-                        lambda block, x, layer, key, rows: block(x, key, layer, rows, seq),
-                        key, rows, num_layers=self.cfg.num_layers,
-                        scanned=execution.scan_layers, remat=execution.remat), None
+    moe = self.cfg.has_experts
+    stats = None
+    for blocks, first, count in self._runs():
+      def call(block, x, layer, key, rows, first=first):
+        out = block(x, key, layer + first, rows, seq)
+        return out if not moe or block.is_moe else (out, None)
 
-    def call(block, x, layer, key, rows):
-      out = block(x, key, layer, rows, seq)
-      return out if block.is_moe else (out, None)
-
-    x, stats = run_blocks(self.blocks, x, call, key, rows, num_layers=self.cfg.num_layers,
-                          scanned=execution.scan_layers, remat=execution.remat,
-                          with_aux=True)
-    return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
+      out = run_blocks(blocks, x, call, key, rows, num_layers=count,
+                       scanned=execution.scan_layers, remat=execution.remat, with_aux=moe)
+      if not moe:
+        x = out
+        continue
+      x, run_stats = out
+      if run_stats is not None:
+        run_stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), run_stats)
+        stats = run_stats if stats is None else stats + run_stats
+    return x, stats
 
   def _each_block(self):
     """The blocks one by one (a stacked model's as views of one layer's params)."""
     if not self.execution.scan_layers:
       yield from self.blocks
       return
-    graphdef, stacked = nnx.split(self.blocks)
-    for layer in range(self.cfg.num_layers):
-      yield nnx.merge(graphdef, jax.tree.map(lambda p, i=layer: p[i], stacked))
+    for blocks, _, count in self._runs():
+      graphdef, stacked = nnx.split(blocks)
+      for layer in range(count):
+        yield nnx.merge(graphdef, jax.tree.map(lambda p, i=layer: p[i], stacked))
 
   def kv_cache_heads(self) -> int:
     """kv heads each device's cache holds (its stored, padded kv heads)."""
-    first = self.blocks if self.execution.scan_layers else self.blocks[0]
+    first = self._runs()[0][0]
+    first = first[0] if isinstance(first, nnx.List) else first
     return first.attn.k.layout.padded_size // self.cfg.head_dim
 
   def extend(self, tokens_bs, cache, positions_bs, last_b):

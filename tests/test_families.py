@@ -89,7 +89,9 @@ def test_family_equals_transformers(meshes, name, mesh_spec):
     ("phi3", "2x4", Execution(scan_layers=True, fsdp=True)),
     ("mistral", "1x8", Execution(sequence_parallel=True, scan_layers=True)),
     ("mixtral", "4x2", Execution(scan_layers=True, fsdp=True, remat="block")),
-    ("qwen2_moe", "2x4", Execution(fsdp=True, remat="dots_saveable")),
+    # its dense and MoE layers scanned as runs of one kind, experts under SP and FSDP
+    ("qwen2_moe", "2x4", Execution(scan_layers=True, sequence_parallel=True, fsdp=True,
+                                   remat="dots_saveable")),
 ])
 def test_family_under_every_execution_option(meshes, name, mesh_spec, execution):
   model = load_hf(FIXTURES / name, meshes[mesh_spec], execution=execution)
@@ -102,7 +104,7 @@ def test_save_hf_writes_back_what_transformers_wrote(tmp_path, meshes, name):
   and a config.json that reads back to the same model."""
   from safetensors.numpy import load_file
   model = load_hf(FIXTURES / name, meshes["2x4"],
-                  execution=Execution(scan_layers=name in ("gemma2", "phi3")))
+                  execution=Execution(scan_layers=name in ("gemma2", "phi3", "qwen2_moe")))
   save_hf(model, tmp_path)
   original = load_file(FIXTURES / name / "model.safetensors")
   written = load_file(tmp_path / "model.safetensors")

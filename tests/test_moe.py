@@ -378,37 +378,59 @@ def test_transformer_with_experts_trains_as_the_reference(meshes, moe_reference,
     assert assert_padding_zero(params) > 0
 
 
-def test_unsupported_executions_are_refused_by_name(meshes):
+def test_bad_moe_configs_are_refused_by_name():
   from models.config import TransformerConfig
-  from models.execution import Execution
-  from models.transformer import Transformer
-  mixed = TransformerConfig.preset("moe-tiny", moe_layers=(1,))
-  with pytest.raises(ValueError, match=r"mixes dense and mixture-of-experts layers \(moe_layers"):
-    Transformer(mixed, mesh=meshes["2x4"], rngs=nnx.Rngs(0),
-                execution=Execution(scan_layers=True))
+  with pytest.raises(ValueError, match="expert_capacity_factor must be a number > 0 or None"):
+    TransformerConfig.preset("moe-tiny", expert_capacity_factor=0)
+  with pytest.raises(ValueError, match="expert_drop_policy must be one of"):
+    TransformerConfig.preset("moe-tiny", expert_drop_policy="random")
   with pytest.raises(ValueError, match="experts_per_token must be in \\[1, num_experts=6\\], got 7"):
     TransformerConfig.preset("moe-tiny", experts_per_token=7)
   with pytest.raises(ValueError, match="mlp must be 'swiglu', got 'gelu'"):
     TransformerConfig.preset("moe-tiny", mlp="gelu")
 
 
-def test_dense_and_moe_layers_mixed(meshes):
-  """moe_layers=(1,): block 0 a dense SwiGLU of d_ff 90, block 1 experts; equal to the
-  reference (which builds the same mix)."""
+@pytest.mark.parametrize("mesh_spec,options", [
+    ("2x4", {}),
+    ("4x2", {"scan_layers": True, "fsdp": True, "remat": "block"}),
+    pytest.param("1x3", {"scan_layers": True, "sequence_parallel": True},
+                 marks=pytest.mark.slow)])
+def test_dense_and_moe_layers_mixed(meshes, tmp_path, mesh_spec, options):
+  """moe_layers=(1, 2) of 4: blocks 0 and 3 dense SwiGLUs of d_ff 90, 1 and 2 experts;
+  loss and every gradient equal the reference's (which builds the same mix). Scanned,
+  the runs dense / MoE / dense are stacked apart and scanned in turn, under the
+  unstacked model's names: a checkpoint of it restores into the model unscanned."""
+  from flax_tp.checkpoint import Checkpointer
   from models.config import TransformerConfig
+  from models.execution import Execution
   from models.reference import ReferenceTransformer, reference_loss
   from models.transformer import Transformer
+  from tests.helpers import assert_state_close
   from train.step import Trainer, make_optimizer
-  cfg = TransformerConfig.preset("moe-tiny", moe_layers=(1,))
-  model = Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0))
-  assert not model.blocks[0].is_moe and model.blocks[1].is_moe
+  cfg = TransformerConfig.preset("moe-tiny", num_layers=4, moe_layers=(1, 2))
+  model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0),
+                      execution=Execution(**options))
+  if options.get("scan_layers"):
+    assert [(first, count) for _, first, count in flax_tp.layer_runs(model.blocks)] == [
+        (0, 1), (1, 2), (3, 1)]
+  else:
+    assert [b.is_moe for b in model.blocks] == [False, True, True, False]
   ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  assert_state_close(model, ref, rtol=0, atol=0)
   tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, cfg.vocab_size)
   trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
-  loss, _ = jax.jit(trainer.loss_and_grads)(trainer.params,
-                                            jax.device_put(tokens, trainer.batch_sharding))
-  np.testing.assert_allclose(loss, jax.jit(lambda t: reference_loss(ref, t))(tokens),
-                             rtol=1e-6)
+  loss, grads = jax.jit(trainer.loss_and_grads)(
+      trainer.params, jax.device_put(tokens, trainer.batch_sharding))
+  ref_loss, ref_grads = jax.jit(nnx.value_and_grad(lambda m: reference_loss(m, tokens)))(ref)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  assert_state_close(grads, nnx.state(ref_grads, nnx.Param), rtol=1e-4, atol=1e-6)
+
+  ck = Checkpointer(tmp_path / "ck")
+  ck.save(1, {"params": trainer.params}, {"step": 1})
+  plain = Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(5))
+  restored, _ = ck.restore({"params": nnx.state(plain, nnx.Param)})
+  nnx.update(plain, restored["params"])
+  assert_state_close(plain, ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mesh_spec,options", [

@@ -12,7 +12,6 @@ from rich.console import Console
 import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError
 from flax_tp.param_info import ParamInfo
-from models import execution as execution_lib
 from models.config import TransformerConfig
 from models.hf import load_hf
 from models.transformer import Transformer
@@ -70,8 +69,6 @@ class SetUp:
       self.cfg, tokenizer = hf_model_and_tokenizer(job.model.init_from, overrides)
     else:
       self.cfg = TransformerConfig.preset(job.model.preset_name, **overrides)
-    if why := execution_lib.unsupported(self.cfg, self.execution):
-      raise UsageError(why)
     if job.model.expert_capacity_factor is not None and not self.cfg.has_experts:
       raise UsageError(f"--expert-capacity-factor {job.model.expert_capacity_factor} is for a "
                        f"model with experts; this one has none")
