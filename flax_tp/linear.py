@@ -31,9 +31,11 @@ from flax_tp.collectives import (
   shard_index,
 )
 from flax_tp.layer import ParallelModule
+from flax_tp.lora import has_lora
 from flax_tp.matmul import dense_matmul
 from flax_tp.mesh import MODEL_AXIS
 from flax_tp.padding import masked, sum_over_replicas
+from flax_tp.param_info import ParamInfo
 from flax_tp.params import sharded_param
 from flax_tp.partition import SegmentedLayout, ShardLayout
 
@@ -184,7 +186,8 @@ class ColumnParallelDense(_ParallelDense):
       if self.sequence_parallel:
         inputs = gather_to_parallel(inputs, axis=-2, axis_name=self.axis_name)
       return self._local(*self._params(), inputs, gather=self.gather_output)
-    return self._standalone(self._call_standalone, inputs, inputs.ndim - 1, out_sharding)
+    return _plus_adapter(self, inputs, self._standalone(self._call_standalone, inputs,
+                                                        inputs.ndim - 1, out_sharding))
 
   def _call_standalone(self, inputs: Array) -> Array:
     kernel_spec, bias_spec = self._param_specs()
@@ -196,7 +199,7 @@ class ColumnParallelDense(_ParallelDense):
       layouts, slots = self.layout.layouts, self.layout.slot_offsets
 
       def segments(k, b, x):
-        y = self._local(k, b, x, gather=False)
+        y = self._local(k, b, x, gather=False, base_only=True)
         return [y[..., at:at + s.padded_size] for at, s in zip(slots, layouts, strict=True)]
 
       ys = self._run_standalone(segments, (*self._params(), inputs), specs,
@@ -209,7 +212,7 @@ class ColumnParallelDense(_ParallelDense):
       return jnp.concatenate(parts, -1)
     out_spec = P() if self.gather_output else self._spec(inputs.ndim, -1)
     y = self._run_standalone(
-        lambda k, b, x: self._local(k, b, x, gather=self.gather_output),
+        lambda k, b, x: self._local(k, b, x, gather=self.gather_output, base_only=True),
         (*self._params(), inputs), specs, out_spec, batch=2, share_input=True)
     return y if self.gather_output else self.layout.unpad(y, -1)
 
@@ -225,8 +228,14 @@ class ColumnParallelDense(_ParallelDense):
         bias = sum_over_replicas(bias, self.layout, 0, self.axis_name)
     return kernel, bias
 
-  def _local(self, kernel: Array, bias: Array | None, x: Array, *, gather: bool) -> Array:
+  def _local(self, kernel: Array, bias: Array | None, x: Array, *, gather: bool,
+             base_only: bool = False) -> Array:
+    """``base_only``: without the adapter (a standalone call adds it outside the map)."""
     kernel, bias = self._local_params(kernel, bias)
+    if has_lora(self) and not base_only:
+      (y,) = _column_with_adapters((self,), [(kernel, bias)], x, kernel)
+      return y if not gather else self.layout.unpad(
+          all_gather(y, axis=-1, axis_name=self.axis_name), -1)
     y, bias = self._matmul(copy_to_parallel(x, self.axis_name), kernel, bias)
     if bias is not None:
       y = y + bias
@@ -268,19 +277,21 @@ class RowParallelDense(_ParallelDense):
       self._out_sharding(out_sharding)  # refuses a non-None one here
       return self._local(*self._params(), inputs, parallel_input=self.input_is_parallel,
                          scatter=self.sequence_parallel)
-    return self._standalone(self._call_standalone, inputs, inputs.ndim - 1, out_sharding)
+    return _plus_adapter(self, inputs, self._standalone(self._call_standalone, inputs,
+                                                        inputs.ndim - 1, out_sharding))
 
   def _call_standalone(self, inputs: Array) -> Array:
     # The logical input is padded and sharded on the way in, which is cheaper than
     # handing every device all of it and slicing.
     kernel_spec, bias_spec = self._param_specs()
     return self._run_standalone(
-        lambda k, b, x: self._local(k, b, x, parallel_input=True),
+        lambda k, b, x: self._local(k, b, x, parallel_input=True, base_only=True),
         (*self._params(), self.layout.pad(inputs, -1)),
         (kernel_spec, bias_spec, self._spec(inputs.ndim, -1)), P(), batch=2)
 
   def _local(self, kernel: Array, bias: Array | None, x: Array, *,
-             parallel_input: bool, scatter: bool = False) -> Array:
+             parallel_input: bool, scatter: bool = False, base_only: bool = False) -> Array:
+    """``base_only``: without the adapter (a standalone call adds it outside the map)."""
     layout = self.layout
     if parallel_input:
       if x.shape[-1] != layout.padded_size:
@@ -293,6 +304,14 @@ class RowParallelDense(_ParallelDense):
       x = split_local(x, layout, self.axis_name)
     kernel = masked(kernel, layout, 0, self.axis_name)
     y, bias = self._matmul(x, kernel, bias)
+    rank = 0
+    if has_lora(self) and not base_only:  # its partial h = x @ lora_a rides the reduction
+      a = masked(self._checked_local("lora_a", self.lora_a[...],
+                                     (layout.padded_size, self.lora_a.shape[1])),
+                 layout, 0, self.axis_name)
+      h, _ = self._matmul(x, a, None)
+      rank = h.shape[-1]
+      y = jnp.concatenate([y, h.astype(y.dtype)], axis=-1)
     # Sum the partial products first, then add the bias once: adding it before
     # the reduce would count it parallel_size times.
     if scatter:
@@ -304,6 +323,10 @@ class RowParallelDense(_ParallelDense):
       y = reduce_scatter(y, axis=y.ndim - 2, axis_name=self.axis_name)
     else:
       y = all_reduce(y, "sum", self.axis_name)
+    if rank:
+      y, h = y[..., :-rank], y[..., -rank:]
+      delta, _ = self._matmul(h, self.lora_b[...], None)
+      y = y + self.lora_scaling * delta.astype(y.dtype)
     return y if bias is None else y + bias
 
 
@@ -332,6 +355,8 @@ def fused_column_parallel(layers: Sequence[ColumnParallelDense], x: Array) -> tu
                      "gather_output=False and without sequence_parallel")
   params = [layer._local_params(*layer._params()) for layer in layers]
   kernel = jnp.concatenate([k for k, _ in params], axis=1)
+  if any(has_lora(layer) for layer in layers):
+    return _column_with_adapters(layers, params, x, kernel)
   x = copy_to_parallel(x, first.axis_name)
   y, _ = first._matmul(x, kernel, None)
   widths = np.cumsum([k.shape[1] for k, _ in params])[:-1].tolist()
@@ -342,6 +367,55 @@ def fused_column_parallel(layers: Sequence[ColumnParallelDense], x: Array) -> tu
       out = out + bias
     outputs.append(out)
   return tuple(outputs)
+
+
+def _column_with_adapters(layers: Sequence[ColumnParallelDense], params: list,
+                          x: Array, kernel: Array) -> tuple[Array, ...]:
+  """Column layers (one or fused) of which some have adapters, inside a map: ``x [...,
+  in]`` replicated -> each layer's local ``[..., out_pad]``.
+
+  ``h = x @ [lora_a ...]`` is computed on the replicated input and joined to it before
+  the one ``copy_to_parallel``: backward then sums the input's and ``h``'s cotangents in
+  one all-reduce, and ``lora_a``'s gradient (``x^T`` times the summed cotangent) needs
+  nothing more. Each adapted layer adds ``scaling * h_i @ lora_b_i`` (local outputs).
+  """
+  first = layers[0]
+  adapted = [layer for layer in layers if has_lora(layer)]
+  a = jnp.concatenate([layer.lora_a[...] for layer in adapted], axis=1)
+  h, _ = first._matmul(x, a, None)
+  joined = copy_to_parallel(jnp.concatenate([x, h.astype(x.dtype)], axis=-1), first.axis_name)
+  x, h = joined[..., :x.shape[-1]], joined[..., x.shape[-1]:]
+  y, _ = first._matmul(x, kernel, None)
+  widths = np.cumsum([k.shape[1] for k, _ in params])[:-1].tolist()
+  ranks = np.cumsum([layer.lora_a.shape[1] for layer in adapted])[:-1].tolist()
+  hs = iter(jnp.split(h, ranks, axis=-1))
+  outputs = []
+  for layer, out, (_, bias) in zip(layers, jnp.split(y, widths, axis=-1), params, strict=True):
+    if has_lora(layer):
+      b = layer._checked_local("lora_b", layer.lora_b[...],
+                               (layer.lora_b.shape[0], layer.layout.padded_size))
+      b = masked(b, layer.layout, 1, layer.axis_name)
+      if layer.layout.replicated:
+        b = sum_over_replicas(b, layer.layout, 1, layer.axis_name)
+      delta, _ = layer._matmul(next(hs), b, None)
+      out = out + layer.lora_scaling * delta.astype(out.dtype)
+    if bias is not None:
+      _, _, bias = layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
+      out = out + bias
+    outputs.append(out)
+  return tuple(outputs)
+
+
+def _plus_adapter(layer: Any, x: Array, y: Array) -> Array:
+  """A standalone call's output ``y`` plus the layer's adapter (if any), on the logical
+  (unpadded) adapter weights."""
+  if not has_lora(layer):
+    return y
+  a = ParamInfo.of(layer.lora_a).unpad(layer.lora_a[...])
+  b = ParamInfo.of(layer.lora_b).unpad(layer.lora_b[...])
+  x, a, b = layer.promote_dtype((x, a, b), dtype=layer.dtype)
+  delta = jnp.matmul(jnp.matmul(x, a, precision=layer.precision), b, precision=layer.precision)
+  return y + layer.lora_scaling * delta.astype(y.dtype)
 
 
 def split_local(x: Array, layout: ShardLayout, axis_name: str) -> Array:

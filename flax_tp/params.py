@@ -60,6 +60,7 @@ def sharded_param(
     layout: ShardLayout | None = None,
     metadata: Mapping[str, Any] | None = None,
     name: str = "param",
+    variable_type: type[nnx.Param] = nnx.Param,
 ) -> nnx.Param:
   """Initialises a parameter exactly as Flax would, then stores it sharded.
 
@@ -70,7 +71,8 @@ def sharded_param(
 
   ``metadata`` (a layer's ``kernel_metadata`` etc.) and the metadata of a
   partitioned initializer (``nnx.with_partitioning(init, spec)``, ``nnx.with_metadata``)
-  are attached to the param, as ``nnx.Param(value, **metadata)`` does, with two
+  are attached to the param (a ``variable_type``, e.g. ``nnx.LoRAParam``), as
+  ``nnx.Param(value, **metadata)`` does, with two
   exceptions: the placement (``out_sharding``, ``mesh``) is the layer's own, so a
   placement entry that says otherwise (``sharding``, ``sharding_rules``,
   ``optimizer_sharding``, another spec or mesh) is left out with a warning naming
@@ -99,7 +101,7 @@ def sharded_param(
     layout = layout or ShardLayout(shape[dim], mesh.shape[axis_name], unit)
     param_meta.update(keys_of(dict(layout=layout, dim=dim % len(shape))))
     full = layout.pad(full, dim)
-  return nnx.Param(place(full, NamedSharding(mesh, P(*names))), **param_meta)
+  return variable_type(place(full, NamedSharding(mesh, P(*names))), **param_meta)
 
 
 # What nnx itself keeps in a Variable's metadata (not the user's).

@@ -1,0 +1,97 @@
+"""LoRA adapters on the parallel dense layers, sharded as their base (PEFT's ``tp_layer``).
+
+``add_lora(layer, rank, alpha)`` gives a ``ColumnParallelDense`` or ``RowParallelDense``
+a low-rank update: ``y = base(x) + scaling * (x @ lora_a) @ lora_b``, ``scaling = alpha /
+rank`` (rsLoRA: ``alpha / sqrt(rank)``). ``lora_a [in, r]`` and ``lora_b [r, out]`` are
+``nnx.LoRAParam``s (a kind of ``nnx.Param``), so ``nnx.Optimizer(..., wrt=nnx.LoRAParam)``
+or a filter trains them alone. They are drawn as PEFT draws them by default: ``lora_a``
+uniform in ``+-1/sqrt(in)`` (torch's ``kaiming_uniform_(a=sqrt(5))`` of a ``[r, in]``
+weight) and ``lora_b`` zero, so a fresh adapter changes nothing.
+
+Where they live (torchtitan's, PEFT's and MaxText's rule):
+- column-parallel base (outputs split over ``"model"``): ``lora_a`` replicated, ``lora_b``
+  split on its outputs exactly as the kernel is (same layout and padding, kv heads
+  replicated where the kernel replicates them);
+- row-parallel base (inputs split): ``lora_a`` split on its inputs as the kernel is,
+  ``lora_b`` replicated.
+
+And what they send: nothing of their own. In a column layer ``h = x @ lora_a`` is computed
+on the replicated input and travels with it through the layer's ``copy_to_parallel``, so
+backward sums ``h``'s cotangent in the same all-reduce as the input's (one all-reduce,
+``r`` more columns). In a row layer the partial ``h = x_local @ lora_a_local`` is reduced
+in the same all-reduce (or, with sequence parallelism, reduce-scatter) as the base's
+partial output, and ``lora_b`` is applied after it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flax_tp.param_info import ParamInfo
+from flax_tp.params import sharded_param
+
+Array = jax.Array
+
+
+def peft_a_init(key: Array, shape: tuple[int, int], dtype: Any = jnp.float32) -> Array:
+  """PEFT's default ``lora_A`` draw for a ``[in, r]`` store: uniform in ``+-1/sqrt(in)``."""
+  bound = 1.0 / math.sqrt(shape[0])
+  return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def lora_scaling(rank: int, alpha: float, rslora: bool = False) -> float:
+  """PEFT's ``scaling``: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA."""
+  return alpha / (math.sqrt(rank) if rslora else rank)
+
+
+def add_lora(layer: Any, rank: int, alpha: float | None = None, *, rngs: nnx.Rngs,
+             rslora: bool = False, a_init: Any = peft_a_init,
+             b_init: Any = nnx.initializers.zeros_init(), param_dtype: Any = None) -> Any:
+  """Gives ``layer`` (a ``ColumnParallelDense`` or ``RowParallelDense``) a rank-``rank``
+  adapter, in place, and returns it. ``alpha`` defaults to ``rank`` (scaling 1).
+
+  ``lora_a [in, r]`` and ``lora_b [r, out]`` are stored padded and split as the module
+  docstring says; their padding is zero and stays zero (the layer masks it).
+  """
+  from flax_tp.linear import ColumnParallelDense, RowParallelDense
+  if not isinstance(layer, (ColumnParallelDense, RowParallelDense)):
+    raise TypeError(f"add_lora takes a ColumnParallelDense or RowParallelDense, got "
+                    f"{type(layer).__name__}")
+  if not isinstance(rank, int) or rank < 1:
+    raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
+  alpha = rank if alpha is None else alpha
+  if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
+    raise ValueError(f"LoRA alpha must be a positive number, got {alpha!r}")
+  if getattr(layer, "lora_a", None) is not None:
+    raise ValueError("this layer already has a LoRA adapter")
+  column = isinstance(layer, ColumnParallelDense)
+  dtype = param_dtype or layer.param_dtype
+  common = dict(mesh=layer.mesh, axis_name=layer.axis_name, variable_type=nnx.LoRAParam)
+  # Split as the base: a column layer's outputs (lora_b's dim 1), a row layer's inputs
+  # (lora_a's dim 0), with the kernel's own layout.
+  layer.lora_a = sharded_param(a_init, rngs.params(), (layer.in_features, rank), dtype,
+                               dim=None if column else 0,
+                               layout=None if column else layer.layout, name="lora_a",
+                               **common)
+  layer.lora_b = sharded_param(b_init, rngs.params(), (rank, layer.out_features), dtype,
+                               dim=1 if column else None,
+                               layout=layer.layout if column else None, name="lora_b",
+                               **common)
+  layer.lora_scaling = lora_scaling(rank, alpha, rslora)
+  return layer
+
+
+def has_lora(layer: Any) -> bool:
+  return getattr(layer, "lora_a", None) is not None
+
+
+def logical_delta(layer: Any) -> Array:
+  """``scaling * lora_a @ lora_b [in, out]``: what merging adds to the logical kernel."""
+  a = ParamInfo.of(layer.lora_a).unpad(layer.lora_a[...])
+  b = ParamInfo.of(layer.lora_b).unpad(layer.lora_b[...])
+  return layer.lora_scaling * (a.astype(jnp.float32) @ b.astype(jnp.float32))

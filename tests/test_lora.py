@@ -1,0 +1,189 @@
+"""LoRA adapters on the parallel dense layers against the plain formula on logical weights,
+``y = x @ kernel + bias + scaling * (x @ A) @ B``: outputs, every gradient (the input's
+too), padding, and the compiled collectives (the adapter adds none of its own)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import flax_tp
+from flax_tp.collectives import all_gather, all_reduce
+from flax_tp.hlo import collectives
+from flax_tp.lora import add_lora, lora_scaling
+
+IN, OUT, RANK, ALPHA = 12, 10, 3, 6.0  # 10 over 3, 4 or 8 is uneven; 12 over 8 too
+
+
+def build(kind, mesh, lora=True, rslora=False):
+  cls = flax_tp.ColumnParallelDense if kind == "column" else flax_tp.RowParallelDense
+  extra = {"gather_output": False} if kind == "column" else {}
+  layer = cls(IN, OUT, mesh=mesh, rngs=nnx.Rngs(0), **extra)
+  if lora:  # B drawn nonzero, so the adapter changes the output and every gradient
+    add_lora(layer, RANK, ALPHA, rslora=rslora, rngs=nnx.Rngs(1),
+             b_init=nnx.initializers.normal(0.5))
+  return layer
+
+
+def logical(layer):
+  state = flax_tp.unshard(layer)
+  return {k: jnp.asarray(v[...]) for k, v in nnx.to_flat_state(state)
+          for k in [".".join(map(str, k))]}
+
+
+def plain(p, x, scaling):
+  return x @ p["kernel"] + p["bias"] + scaling * (x @ p["lora_a"]) @ p["lora_b"]
+
+
+def local_value_and_grads(layer, mesh, x, kind):
+  """Inside one shard_map, as in a model: ``layer(x)`` of a replicated ``x`` (a column
+  layer's local outputs gathered for the loss), the loss and its gradients with respect
+  to the params and ``x``."""
+  graphdef, state = nnx.split(layer, nnx.Param)
+  specs = nnx.get_partition_spec(state)
+
+  def local(state, x):
+    def loss(state, x):
+      y = nnx.merge(graphdef, state)(x)
+      if kind == "column":
+        y = layer.layout.unpad(all_gather(y, axis=-1, axis_name="model"), -1)
+      return jnp.sum(jnp.sin(y) * y), y
+    (value, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
+    return value, y, grads
+
+  mapped = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()),
+                                 out_specs=(P(), P(), (specs, P()))))
+  return mapped, state
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("mesh_spec", ["1x1", "1x3", "2x4", "1x8"])
+def test_adapter_equals_the_plain_formula(meshes, kind, mesh_spec):
+  mesh = meshes[mesh_spec]
+  layer = build(kind, mesh)
+  p = logical(layer)
+  assert p["lora_a"].shape == (IN, RANK) and p["lora_b"].shape == (RANK, OUT)
+  # Drawn whole, then placed: the same adapter whatever the mesh.
+  np.testing.assert_array_equal(p["lora_a"], logical(build(kind, meshes["1x1"]))["lora_a"])
+  scaling = lora_scaling(RANK, ALPHA)
+  assert scaling == 2.0
+  x = jax.random.normal(jax.random.key(2), (4, 5, IN))
+  np.testing.assert_allclose(layer(x), plain(p, x, scaling), rtol=1e-5, atol=1e-5)
+
+  mapped, state = local_value_and_grads(layer, mesh, x, kind)
+  value, y, (grads, dx) = mapped(state, x)
+
+  def ref_loss(p, x):
+    y = plain(p, x, scaling)
+    return jnp.sum(jnp.sin(y) * y)
+  ref_value, (ref_grads, ref_dx) = jax.value_and_grad(ref_loss, argnums=(0, 1))(p, x)
+  np.testing.assert_allclose(y, plain(p, x, scaling), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  np.testing.assert_allclose(dx, ref_dx, rtol=1e-4, atol=1e-5)
+  grads = {".".join(map(str, k)): np.asarray(v[...])
+           for k, v in nnx.to_flat_state(flax_tp.unshard(grads))}
+  assert set(grads) == set(ref_grads)
+  for name, g in ref_grads.items():
+    np.testing.assert_allclose(grads[name], g, rtol=1e-4, atol=1e-5 * np.abs(g).max(),
+                               err_msg=name)
+    assert np.abs(g).max() > 1e-3, name
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_padding_is_zero_and_the_split_follows_the_base(meshes, kind):
+  """10 outputs (column) or 12 inputs (row: 12 over 8 is 2,2,2,2,1,1,1,1) split as the
+  kernel; the adapter's padding is zero and gets a zero gradient."""
+  mesh = meshes["1x8"]
+  layer = build(kind, mesh)
+  split, whole = (layer.lora_b, layer.lora_a) if kind == "column" else (layer.lora_a,
+                                                                         layer.lora_b)
+  dim = 1 if kind == "column" else 0
+  spec = [None, None]
+  spec[dim] = "model"
+  assert tuple(nnx.get_partition_spec(nnx.state(layer))[
+      "lora_b" if kind == "column" else "lora_a"].get_value()) == tuple(spec)
+  assert split[...].shape[dim] == 8 * layer.layout.padded_size
+  assert tuple(whole[...].sharding.spec) in ((), (None, None), (None,))
+  assert isinstance(split, nnx.LoRAParam) and isinstance(whole, nnx.LoRAParam)
+  x = jax.random.normal(jax.random.key(2), (3, IN))
+  mapped, state = local_value_and_grads(layer, mesh, x, kind)
+  _, _, (grads, _) = mapped(state, x)
+  name = "lora_b" if kind == "column" else "lora_a"
+  valid = np.asarray(layer.layout.valid_mask())
+  stored, grad = np.asarray(split[...]), np.asarray(grads[name][...])
+  pad = ~valid if dim == 0 else ~valid[None, :].repeat(RANK, 0)
+  if dim == 0:
+    pad = pad[:, None].repeat(RANK, 1)
+  assert pad.any() and np.all(stored[pad] == 0) and np.all(grad[pad] == 0)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_adapter_adds_no_collective(meshes, kind):
+  """The compiled forward and backward (params and input) on 2x4 have the same
+  collectives, by kind, axes and count, with the adapter as without it; one of them
+  carries the adapter's r columns more ([4, 5, in + r] in a column layer's backward,
+  [4, 5, out + r] in a row layer's forward)."""
+  mesh = meshes["2x4"]
+  x = jax.random.normal(jax.random.key(2), (4, 5, IN))
+  found, sent = {}, {}
+  for lora in (False, True):
+    layer = build(kind, mesh, lora=lora)
+    mapped, state = local_value_and_grads(layer, mesh, x, kind)
+    compiled = collectives(mapped.lower(state, x).compile().as_text(), mesh)
+    found[lora] = sorted((c.kind, c.axes) for c in compiled)
+    sent[lora] = sorted(s for c in compiled for _, s in c.operands)
+  assert found[True] == found[False]
+  assert ("all-reduce", ("model",)) in found[False]
+  width = IN if kind == "column" else OUT
+  wider = list(sent[True])
+  wider[wider.index((4, 5, width + RANK))] = (4, 5, width)
+  assert sorted(wider) == sent[False]
+
+
+def test_fused_projections_with_adapters_on_some(meshes):
+  """q, k, v fused into one matmul, adapters on q and v only (rsLoRA scaling on v):
+  the same outputs and gradients as the three layers called one by one."""
+  mesh = meshes["1x3"]
+  make = lambda seed: flax_tp.ColumnParallelDense(IN, OUT, gather_output=False, mesh=mesh,
+                                                  rngs=nnx.Rngs(seed))
+  layers = [make(0), make(1), make(2)]
+  add_lora(layers[0], RANK, ALPHA, rngs=nnx.Rngs(3), b_init=nnx.initializers.normal(0.5))
+  add_lora(layers[2], 2, ALPHA, rslora=True, rngs=nnx.Rngs(4),
+           b_init=nnx.initializers.normal(0.5))
+  assert layers[2].lora_scaling == ALPHA / np.sqrt(2)
+  group = nnx.List(layers)
+  graphdef, state = nnx.split(group, nnx.Param)
+  specs = nnx.get_partition_spec(state)
+  x = jax.random.normal(jax.random.key(5), (6, IN))
+
+  def run(fused):
+    def local(state, x):
+      def loss(state, x):
+        q, k, v = (flax_tp.fused_column_parallel(tuple(nnx.merge(graphdef, state)), x) if fused
+                   else tuple(layer(x) for layer in nnx.merge(graphdef, state)))
+        return all_reduce(sum(jnp.sum(jnp.cos(t) * t) for t in (q, k, v)), "sum", "model")
+      return jax.value_and_grad(loss, argnums=(0, 1))(state, x)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()),
+                                 out_specs=(P(), (specs, P()))))(state, x)
+
+  (fused_value, (fused_grads, fused_dx)), (value, (grads, dx)) = run(True), run(False)
+  np.testing.assert_allclose(fused_value, value, rtol=1e-5)
+  np.testing.assert_allclose(fused_dx, dx, rtol=1e-5, atol=1e-6)
+  for (path, a), (_, b) in zip(nnx.to_flat_state(fused_grads), nnx.to_flat_state(grads),
+                               strict=True):
+    np.testing.assert_allclose(a[...], b[...], rtol=1e-5, atol=1e-6, err_msg=str(path))
+
+
+def test_bad_adapters_are_refused_by_name(meshes):
+  layer = build("column", meshes["1x1"], lora=False)
+  with pytest.raises(ValueError, match="LoRA rank must be a positive integer, got 0"):
+    add_lora(layer, 0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="LoRA alpha must be a positive number, got -1"):
+    add_lora(layer, 2, -1, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="got Linear"):
+    add_lora(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), 2, rngs=nnx.Rngs(0))
+  add_lora(layer, 2, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="already has a LoRA adapter"):
+    add_lora(layer, 2, rngs=nnx.Rngs(0))
