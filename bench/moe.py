@@ -68,9 +68,12 @@ def measure(shape: str, spec: str, tokens_per_shard: int) -> dict[str, Any]:
 
 def step_times(shape: str, spec: str, tokens_per_shard: int, repeats: int) -> dict[str, Any]:
   """One MoE layer's forward + backward (params and input), timed interleaved: flax_tp's
-  dropless grouped path against two GSPMD peers on the same params and shardings (experts
-  over "data", FFN over "model", jax.jit): every expert on every token as one einsum, and
-  as a loop over experts. All three give the same input gradient."""
+  dropless grouped path and its capacity path against two GSPMD peers on the same params
+  and shardings (experts over "data", FFN over "model", jax.jit): every expert on every
+  token as one einsum, and as a loop over experts. The capacity path runs at factor
+  ``E / k`` (room for every choice: nothing dropped, so the same function) and at 1.25
+  (a usual training setting, which drops some). All but the last give the same input
+  gradient, which is asserted."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -85,6 +88,10 @@ def step_times(shape: str, spec: str, tokens_per_shard: int, repeats: int) -> di
                                        (mesh.shape["data"] * tokens_per_shard, d)),
                      NamedSharding(mesh, P("data")))
   mine = jax.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0] ** 2), argnums=(0, 1)))
+  capped = {f"flax_tp_capacity_{factor:g}": flax_tp.MoE(d, width, experts, k, mesh=mesh,
+                                                        capacity_factor=factor,
+                                                        rngs=nnx.Rngs(0))
+            for factor in (experts / k, 1.25)}
   logical = flax_tp.unshard(moe)
   specs = {"router": P(), "gate": P("data", None, "model"), "up": P("data", None, "model"),
            "down": P("data", "model", None)}
@@ -113,10 +120,15 @@ def step_times(shape: str, spec: str, tokens_per_shard: int, repeats: int) -> di
   peers = {name: jax.jit(jax.grad(lambda p, x, f=f: jnp.sum(f(p, x) ** 2), argnums=(0, 1)))
            for name, f in (("gspmd_einsum", einsum_moe), ("gspmd_loop", loop_moe))}
   ours = mine(moe, x)[1]
-  for name, peer in peers.items():  # the same function, or the timing compares nothing
-    theirs = peer(params, x)[1]
+  exact = {name: (lambda peer=peer: peer(params, x)[1]) for name, peer in peers.items()}
+  full = f"flax_tp_capacity_{experts / k:g}"
+  exact[full] = lambda: mine(capped[full], x)[1]
+  for name, theirs in exact.items():  # the same function, or the timing compares nothing
+    theirs = theirs()
     assert float(jnp.max(jnp.abs(ours - theirs))) <= 1e-4 * float(jnp.max(jnp.abs(theirs))), name
   steps = {"flax_tp": lambda: jax.block_until_ready(mine(moe, x))}
+  steps.update({name: (lambda m=m: jax.block_until_ready(mine(m, x)))
+                for name, m in capped.items()})
   steps.update({name: (lambda peer=peer: jax.block_until_ready(peer(params, x)))
                 for name, peer in peers.items()})
   medians = interleaved_medians(steps, repeats)

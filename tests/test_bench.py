@@ -282,3 +282,21 @@ def test_profile_names_the_compiled_programs_ops():
   assert figures["dots"] == ["f32[4,3]"]
   assert figures["rendezvous_per_device"] >= 1  # the all-reduce met its peer
   assert figures["fusion_thread_ms_per_device"] > 0
+
+
+def test_moe_bench_smoke(tmp_path):
+  """bench.moe end to end on one mesh: the dispatch at its minimum (2 data shards, top-2),
+  the experts at 1/(D*M) per device, and the timed section (its peers and the capacity
+  path at E/k asserted equal inside it) with every path timed."""
+  from bench.moe import main as moe_main
+  out = tmp_path / "moe.json"
+  assert moe_main(["--meshes", "2x4", "--tokens", "64", "--time-tokens", "8", "--repeats", "1",
+                   "--out", str(out)]) == 0
+  results = json.loads(out.read_text())
+  mixtral = next(r for r in results["rows"] if r["shape"] == "mixtral/8")
+  assert round(mixtral["dispatch_ratio"], 2) == 1.0 and mixtral["expert_ratio"] == 1.0
+  assert not any(r["weights_gathered"] for r in results["rows"])
+  (timed,) = results["step_times"]
+  assert set(timed["step_s"]) == {"flax_tp", "flax_tp_capacity_4", "flax_tp_capacity_1.25",
+                                  "gspmd_einsum", "gspmd_loop"}
+  assert all(v > 0 for v in timed["step_s"].values())
