@@ -12,6 +12,7 @@ from flax_tp.collectives import (
 from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
 from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_parallel
 from flax_tp.logical import load_unsharded, unshard
+from flax_tp.lora import LoRAConfig, add_adapters, add_lora
 from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
 from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, make_mesh, parse_mesh_spec
 from flax_tp.moe import MoE, RouterStats, load_balancing_loss, router_z_loss
@@ -45,6 +46,9 @@ __all__ = [
     "make_mesh",
     "MODEL_AXIS",
     "MoE",
+    "LoRAConfig",
+    "add_adapters",
+    "add_lora",
     "ParallelEmbedding",
     "parallelize",
     "parse_mesh_spec",

@@ -25,6 +25,8 @@ partial output, and ``lora_b`` is applied after it.
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import math
 from typing import Any
 
@@ -39,7 +41,8 @@ Array = jax.Array
 
 
 def peft_a_init(key: Array, shape: tuple[int, int], dtype: Any = jnp.float32) -> Array:
-  """PEFT's default ``lora_A`` draw for a ``[in, r]`` store: uniform in ``+-1/sqrt(in)``."""
+  """PEFT's default ``lora_A`` draw for a ``[in, r]`` store: uniform in ``+-1/sqrt(in)``
+  (torch ``nn.Linear``'s default for a ``[r, in]`` weight)."""
   bound = 1.0 / math.sqrt(shape[0])
   return jax.random.uniform(key, shape, dtype, -bound, bound)
 
@@ -95,3 +98,64 @@ def logical_delta(layer: Any) -> Array:
   a = ParamInfo.of(layer.lora_a).unpad(layer.lora_a[...])
   b = ParamInfo.of(layer.lora_b).unpad(layer.lora_b[...])
   return layer.lora_scaling * (a.astype(jnp.float32) @ b.astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+  """Adapters for a model: rank, alpha, which layers (globs over their dotted module
+  paths, e.g. ``blocks.*.attn.[qv]``: every matching column- or row-parallel layer) and
+  the scaling (``alpha / rank``, or rsLoRA's ``alpha / sqrt(rank)``)."""
+
+  rank: int = 8
+  alpha: float = 8.0
+  targets: tuple[str, ...] = ("blocks.*.attn.[qv]",)
+  rslora: bool = False
+  seed: int = 0  # the adapters' draws (apart from the base's)
+  init_weights: bool = True  # PEFT's init_lora_weights: B zero (the adapter starts as a
+  # no-op); False: B drawn as A is (torch Linear's default), so it changes the output
+
+  def __post_init__(self):
+    if not isinstance(self.rank, int) or self.rank < 1:
+      raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
+    if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha)
+            and self.alpha > 0):
+      raise ValueError(f"LoRA alpha must be a positive number, got {self.alpha!r}")
+    if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+      raise ValueError(f"LoRA targets must be non-empty globs, got {self.targets!r}")
+
+  @property
+  def scaling(self) -> float:
+    return lora_scaling(self.rank, self.alpha, self.rslora)
+
+
+def dense_layers(model: nnx.Module) -> list[tuple[str, Any]]:
+  """``(dotted path, layer)`` of every column- and row-parallel layer in ``model``."""
+  from flax_tp.linear import ColumnParallelDense, RowParallelDense
+  return [(".".join(map(str, path)), module) for path, module in nnx.iter_modules(model)
+          if isinstance(module, (ColumnParallelDense, RowParallelDense))]
+
+
+def add_adapters(model: nnx.Module, config: LoRAConfig) -> list[str]:
+  """Adds ``config``'s adapter to each layer of ``model`` its targets match, in place,
+  in path order (so the draws do not depend on the mesh). Returns their paths.
+  ``ValueError`` naming a target that matches no layer."""
+  layers = dense_layers(model)
+  chosen = {}
+  for target in config.targets:
+    hits = [(path, layer) for path, layer in layers if fnmatch.fnmatchcase(path, target)]
+    if not hits:
+      raise ValueError(f"LoRA target {target!r} matches no column- or row-parallel layer; "
+                       f"the layers are {', '.join(p for p, _ in layers[:8])}"
+                       f"{', ...' if len(layers) > 8 else ''}")
+    chosen.update(hits)
+  rngs = nnx.Rngs(config.seed)
+  b_init = nnx.initializers.zeros_init() if config.init_weights else peft_a_init
+  for _, layer in sorted(chosen.items(), key=lambda kv: _path_key(kv[0])):
+    add_lora(layer, config.rank, config.alpha, rslora=config.rslora, rngs=rngs,
+             b_init=b_init)
+  return sorted(chosen, key=_path_key)
+
+
+def _path_key(path: str) -> tuple:
+  """Numeric parts as numbers: ``blocks.10`` after ``blocks.9``."""
+  return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))

@@ -241,7 +241,9 @@ class Transformer(nnx.Module):
     place_on_mesh(self)
 
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs,
-               execution: Execution = Execution()):
+               execution: Execution = Execution(), lora: flax_tp.LoRAConfig | None = None):
+    """``lora``: adapters on the layers its targets match (``flax_tp.add_adapters``),
+    added before the execution is applied, so they are stacked and split as their base."""
     self.embed = flax_tp.VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, mesh=mesh,
                                                 dtype=cfg.compute_dtype, rngs=rngs)
     self.blocks = nnx.List([ParallelBlock(cfg, mesh=mesh, rngs=rngs, layer=i)
@@ -254,6 +256,8 @@ class Transformer(nnx.Module):
     flax_tp.replicate_on_mesh(self, mesh)  # the norms
     self.cfg = cfg
     self.mesh = mesh
+    self.lora = lora
+    self.lora_targets = tuple(flax_tp.add_adapters(self, lora)) if lora else ()
     # Sequence parallelism, scanned layers, FSDP: in one place, in a documented order.
     execution_lib.apply(self, execution)
 

@@ -187,3 +187,120 @@ def test_bad_adapters_are_refused_by_name(meshes):
   add_lora(layer, 2, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="already has a LoRA adapter"):
     add_lora(layer, 2, rngs=nnx.Rngs(0))
+
+
+# -- the transformer with adapters, trained alone --------------------------------------
+
+TARGETS = ("blocks.*.attn.[qkvo]", "blocks.*.mlp.*")
+
+
+def merged_reference_run(cfg, model, tokens):
+  """The plain-Flax reference with each adapted kernel merged (K + s A B, from the
+  parallel model's logical values): its loss, and the adapters' gradients by the chain
+  rule from its kernels' gradients (dA = s dK B^T, dB = s A^T dK)."""
+  from models.reference import ReferenceTransformer, reference_loss
+  ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  logical = {".".join(map(str, k)): np.asarray(v[...])
+             for k, v in nnx.to_flat_state(flax_tp.unshard(nnx.state(model, nnx.Param)))}
+  scaling = model.lora.scaling
+  flat = dict(nnx.to_flat_state(nnx.state(ref, nnx.Param)))
+  for path in model.lora_targets:
+    key = tuple(int(p) if p.isdigit() else p for p in path.split(".")) + ("kernel",)
+    a, b = logical[path + ".lora_a"], logical[path + ".lora_b"]
+    flat[key].set_value(jnp.asarray(logical[path + ".kernel"] + scaling * a @ b))
+  loss, grads = jax.jit(nnx.value_and_grad(lambda m: reference_loss(m, tokens)))(ref)
+  kernel_grads = {".".join(map(str, k)): np.asarray(v[...])
+                  for k, v in nnx.to_flat_state(nnx.state(grads, nnx.Param))}
+  adapters = {}
+  for path in model.lora_targets:
+    a, b, dk = (logical[path + ".lora_a"], logical[path + ".lora_b"],
+                kernel_grads[path + ".kernel"])
+    adapters[path + ".lora_a"] = scaling * dk @ b.T
+    adapters[path + ".lora_b"] = scaling * a.T @ dk
+  return float(loss), adapters
+
+
+@pytest.mark.parametrize("mesh_spec,options", [
+    ("2x4", {}),
+    ("4x2", {"scan_layers": True, "fsdp": True, "remat": "block", "sequence_parallel": True}),
+    pytest.param("1x3", {}, marks=pytest.mark.slow),
+    pytest.param("1x8", {"scan_layers": True}, marks=pytest.mark.slow)])
+def test_transformer_trains_its_adapters_alone(meshes, mesh_spec, options):
+  """Adapters of rank 3 (B drawn nonzero, PEFT's init_lora_weights=False) on every
+  projection of llama-tiny (kv heads replicated on 2x4, d_ff and heads uneven): the loss
+  and every adapter's gradient equal the merged plain-Flax reference's; the gradients,
+  the optimizer and its state hold the adapters alone; two AdamW steps leave every base
+  param bit for bit as it was and move every adapter."""
+  from models.config import TransformerConfig
+  from models.execution import Execution
+  from models.transformer import Transformer
+  from train.step import Trainer, make_optimizer
+  cfg = TransformerConfig.preset("llama-tiny")
+  lora = flax_tp.LoRAConfig(rank=3, alpha=6.0, targets=TARGETS, init_weights=False)
+  model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0),
+                      execution=Execution(**options), lora=lora)
+  assert len(model.lora_targets) == 7 * cfg.num_layers
+  tokens = jax.random.randint(jax.random.key(1), (8, cfg.max_seq_len + 1), 0, cfg.vocab_size)
+  ref_loss, ref_grads = merged_reference_run(cfg, model, tokens)
+
+  trainer = Trainer(model, make_optimizer(lr=1e-2, steps=2, warmup_steps=0))
+  assert trainer.adapters_only
+  placed = jax.device_put(tokens, trainer.batch_sharding)
+  loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, placed)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  grads = {".".join(map(str, k)): np.asarray(v[...])
+           for k, v in nnx.to_flat_state(flax_tp.unshard(grads))}
+  assert set(grads) == set(ref_grads)
+  for name, g in ref_grads.items():
+    np.testing.assert_allclose(grads[name], g, rtol=1e-3, atol=2e-5 * np.abs(g).max(),
+                               err_msg=name)
+
+  params = trainer.params
+  base = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)
+          if not isinstance(v, nnx.LoRAParam)}
+  adapters = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)
+              if isinstance(v, nnx.LoRAParam)}
+  opt_state = trainer.init_opt_state(params)
+  sized = [x for x in jax.tree.leaves(opt_state) if np.ndim(x) > 0]
+  assert sum(x.size for x in sized) == 2 * sum(v.size for v in adapters.values())  # Adam
+  for _ in range(2):
+    params, opt_state, out = trainer.train_step(params, opt_state, placed, None)
+  assert np.isfinite(float(out["loss"]))
+  after = dict(nnx.to_flat_state(params))
+  for k, v in base.items():
+    np.testing.assert_array_equal(np.asarray(after[k][...]), v, err_msg=str(k))
+  for k, v in adapters.items():
+    assert not np.array_equal(np.asarray(after[k][...]), v), k
+
+
+def test_the_step_sends_the_base_models_collectives_and_the_adapters_gradients(meshes):
+  """The compiled LoRA train step on 2x4 holds the full fine-tune's collectives over
+  "model", the same kinds and count (the adapters ride the base's all-reduces), and over
+  "data" one gradient all-reduce whose operands are the adapters' local shards (and the
+  loss): no base param's gradient is computed or sent."""
+  import collections
+
+  from models.config import TransformerConfig
+  from models.transformer import Transformer
+  from train.step import Trainer, make_optimizer
+  cfg = TransformerConfig.preset("llama-tiny")
+  mesh = meshes["2x4"]
+  tokens = jax.random.randint(jax.random.key(1), (8, cfg.max_seq_len + 1), 0, cfg.vocab_size)
+  found, data_operands, adapters = {}, {}, None
+  for lora in (None, flax_tp.LoRAConfig(rank=3, targets=TARGETS)):
+    model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0), lora=lora)
+    trainer = Trainer(model, make_optimizer(lr=1e-2, steps=2))
+    placed = jax.device_put(tokens, trainer.batch_sharding)
+    step = trainer.train_step.lower(trainer.params, trainer.init_opt_state(trainer.params),
+                                    placed, None)
+    compiled = collectives(step.compile().as_text(), mesh)
+    found[lora is not None] = collections.Counter((c.kind, c.axes) for c in compiled)
+    data_operands[lora is not None] = sorted(s for c in compiled if c.axes == ("data",)
+                                             for _, s in c.operands)
+    if lora is not None:
+      adapters = sorted(tuple(v[...].sharding.shard_shape(v[...].shape))
+                        for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+  assert found[True] == found[False]
+  assert {axes for _, axes in found[True]} == {("model",), ("data",)}
+  assert all(kind == "all-reduce" for kind, axes in found[True] if axes == ("data",))
+  assert data_operands[True] == sorted([(), *adapters])

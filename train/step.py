@@ -105,7 +105,9 @@ class Trainer:
   """Compiled train and eval steps for one model on its mesh.
 
   ``params`` is the model's ``nnx.Param`` state (global arrays sharded as the
-  layers placed them); the steps take and return it functionally.
+  layers placed them); the steps take and return it functionally. A model with LoRA
+  adapters (``nnx.LoRAParam``) trains them alone: the gradients, the optimizer and its
+  state are the adapters'; the base params pass through each step unchanged.
   """
 
   def __init__(self, model: Transformer, tx: optax.GradientTransformation,
@@ -118,12 +120,38 @@ class Trainer:
     self.tx = tx
     self.loss_options = loss
     self.specs = nnx.get_partition_spec(self.params)
+    self.adapters_only = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    self.trained_specs = nnx.get_partition_spec(self.trained(self.params))
     # On a one-device data axis the batch is named replicated, so that no
     # (one-device) gradient all-reduce over "data" is emitted at all.
     self.batch_spec = P(split_over(flax_tp.DATA_AXIS, self.mesh.shape[flax_tp.DATA_AXIS]))
     self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
     self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1))
     self.eval_step = jax.jit(self._eval_loss)
+
+  def trained(self, params: nnx.State) -> nnx.State:
+    """The params the optimizer updates: the adapters (with LoRA) or all of them."""
+    return nnx.split_state(params, nnx.LoRAParam, ...)[0] if self.adapters_only else params
+
+  def _with_trained(self, params: nnx.State, trained: nnx.State) -> nnx.State:
+    """``params`` with its trained part replaced by ``trained``, in ``params``' order."""
+    if not self.adapters_only:
+      return trained
+    flat = dict(nnx.to_flat_state(trained))
+    return nnx.from_flat_state([(path, flat.get(path, var))
+                                for path, var in nnx.to_flat_state(params)])
+
+  def _value_and_grad(self, fn: Callable, has_aux: bool = False) -> Callable:
+    """``jax.value_and_grad`` of ``fn(params, *args)`` with respect to the trained params
+    only (the frozen base gets no gradient, so none is computed or reduced)."""
+    if not self.adapters_only:
+      return jax.value_and_grad(fn, has_aux=has_aux)
+
+    def run(params, *args):
+      return jax.value_and_grad(
+          lambda trained: fn(self._with_trained(params, trained), *args),
+          has_aux=has_aux)(self.trained(params))
+    return run
 
   def init_opt_state(self, params: nnx.State) -> Any:
     # Eager on purpose: zeros_like keeps each param's sharding, so the moments
@@ -137,7 +165,7 @@ class Trainer:
         return jax.device_put(x, replicated)
       return x
 
-    return jax.tree.map(on_mesh, self.tx.init(params))
+    return jax.tree.map(on_mesh, self.tx.init(self.trained(params)))
 
   def model(self, params: nnx.State) -> Transformer:
     """The module view of ``params`` (``self.params`` is donated by the first step)."""
@@ -202,7 +230,8 @@ class Trainer:
   def loss_and_grads(self, params, tokens, key=None, labels=None):
     """(loss, grads) of the mean next-token loss; grads sharded like params."""
     loss = functools.partial(self._local_loss, options=self.loss_options)
-    mapped = self._map(jax.value_and_grad(loss), (P(), self.specs), labels is not None)
+    mapped = self._map(self._value_and_grad(loss), (P(), self.trained_specs),
+                       labels is not None)
     return mapped(params, tokens, key, *(() if labels is None else (labels,)))
 
   def _train_step(self, params, opt_state, tokens, key):
@@ -210,13 +239,15 @@ class Trainer:
     if self.cfg.has_experts:
       loss = functools.partial(self._local_loss, options=self.loss_options, with_router=True)
       stats_specs = flax_tp.RouterStats(*(P(),) * len(flax_tp.RouterStats._fields))
-      (loss, stats), grads = self._map(jax.value_and_grad(loss, has_aux=True),
-                                       ((P(), stats_specs), self.specs))(params, tokens, key)
+      (loss, stats), grads = self._map(self._value_and_grad(loss, has_aux=True),
+                                       ((P(), stats_specs), self.trained_specs))(
+          params, tokens, key)
       metrics.update(moe_metrics(stats, self.cfg.num_experts, self.cfg.experts_per_token))
     else:
       loss, grads = self.loss_and_grads(params, tokens, key)
-    updates, opt_state = self.tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    trained = self.trained(params)
+    updates, opt_state = self.tx.update(grads, opt_state, trained)
+    params = self._with_trained(params, optax.apply_updates(trained, updates))
     return params, opt_state, {"loss": loss, "grad_norm": flax_tp.logical_norm(grads),
                                **metrics}
 
