@@ -169,7 +169,8 @@ def _separate_head(directory: Path) -> bool:
 
 
 def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
-            execution: Execution = Execution(), **overrides) -> Transformer:
+            execution: Execution = Execution(), lora: flax_tp.LoRAConfig | None = None,
+            **overrides) -> Transformer:
   """The ``Transformer`` of a local HF directory (a family of ``models/families.py``), on
   ``mesh``, run as ``execution`` says (sequence parallelism, remat, scanned layers, FSDP).
 
@@ -177,12 +178,12 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
   its shards, so the host holds one checkpoint tensor at a time. (The model is
   first built with random params, as ``Transformer`` does, then overwritten.)
   ``overrides`` replace config fields HF does not fix (``dropout``, ``dtype``,
-  ``max_seq_len``).
+  ``max_seq_len``). ``lora``: fresh adapters on the loaded base (``Transformer``'s).
   """
   directory = Path(path)
   cfg = read_config(directory, **overrides)
   tensors = _Tensors(directory)
-  model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed), execution=execution)
+  model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed), execution=execution, lora=lora)
   # Each flax_tp param path -> (its param, layer of a stacked param or None).
   targets = {layer_path: (var, None if stacked_layers(var) is None else layer)
              for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))

@@ -60,6 +60,28 @@ class LossJob:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAJob:
+  """LoRA fine-tuning (rank 0: full fine-tuning). Defaults as PEFT's LoraConfig: alpha 8,
+  adapters on the attention's q and v."""
+  rank: int = 0
+  alpha: float = 8.0
+  targets: str = "blocks.*.attn.[qv]"  # comma-separated globs over module paths
+  rslora: bool = False
+
+  def config(self, seed: int):
+    """The ``flax_tp.LoRAConfig``, or None without adapters (imported here: this module
+    touches no device)."""
+    if not self.rank:
+      return None
+    from flax_tp.lora import LoRAConfig
+    return LoRAConfig(rank=self.rank, alpha=self.alpha, rslora=self.rslora, seed=seed,
+                      targets=tuple(t.strip() for t in self.targets.split(",") if t.strip()))
+
+  def identity(self) -> dict | None:
+    return dataclasses.asdict(self) if self.rank else None
+
+
+@dataclasses.dataclass(frozen=True)
 class ScheduleJob:
   steps: int = 400
   batch_size: int = 32
@@ -95,6 +117,7 @@ class Job:
   execution: Execution = Execution()
   optimizer: OptimizerJob = OptimizerJob()
   loss: LossJob = LossJob()
+  lora: LoRAJob = LoRAJob()
   schedule: ScheduleJob = ScheduleJob()
   checkpoint: CheckpointJob = CheckpointJob()
   data: str | None = None
@@ -119,6 +142,8 @@ class Job:
                           weight_decay="weight_decay", grad_clip="grad_clip"),
         loss=section(LossJob, label_smoothing="label_smoothing", z_loss="z_loss",
                      router_z_loss="router_z_loss"),
+        lora=section(LoRAJob, rank="lora_rank", alpha="lora_alpha", targets="lora_targets",
+                     rslora="lora_rslora"),
         schedule=section(ScheduleJob, steps="steps", batch_size="batch_size", seed="seed",
                          eval_every="eval_every"),
         checkpoint=section(CheckpointJob, dir="checkpoint_dir", every="checkpoint_every",
@@ -132,6 +157,8 @@ class Job:
 def _defaults() -> dict:
   """``train/run.py``'s flag defaults (by flag name), read from the record's fields."""
   flags = {"checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
+           "lora_rank": ("lora", "rank"), "lora_alpha": ("lora", "alpha"),
+           "lora_targets": ("lora", "targets"), "lora_rslora": ("lora", "rslora"),
            "keep_checkpoints": ("checkpoint", "keep"), "sample_prompt": ("sample", "prompt"),
            "sample_length": ("sample", "length")}
   job, out = Job(), {"mesh": Job.mesh}

@@ -82,7 +82,10 @@ class _Run(SetUp):
   def save(self, step: int) -> None:
     if self.checkpointer is not None:
       try:
-        self.checkpointer.save(step, {"params": self.params, "opt_state": self.opt_state},
+        # With LoRA the adapters alone (the base is --init-from's, or the preset's at the
+        # run's seed, and is read from there on resume).
+        self.checkpointer.save(step, {"params": self.trainer.trained(self.params),
+                                      "opt_state": self.opt_state},
                                {"run": self.identity, "step": step,
                                 "steps": self.job.schedule.steps,
                                 "data_fingerprint": self.corpus.fingerprint})

@@ -22,12 +22,18 @@ from train.metrics import is_main_process
 
 def run_identity(job: Job, cfg: TransformerConfig,
                  corpus: TokenCorpus) -> dict[str, Any]:
-  """What makes a run this run: a checkpoint of another is never resumed silently."""
-  return dict(config=cfg.identity(), seed=job.schedule.seed, batch_size=job.schedule.batch_size,
-              seq_len=job.model.seq_len, data=corpus.source, tokenizer=corpus.tokenizer.name,
-              init_from=str(Path(job.model.init_from).resolve()) if job.model.init_from else None,
-              # lr, warmup_steps, weight_decay, grad_clip; label_smoothing, z_loss
-              optimizer=dataclasses.asdict(job.optimizer), loss=job.loss.identity())
+  """What makes a run this run: a checkpoint of another is never resumed silently. With
+  LoRA the adapters' settings too (left out without, so earlier runs still resume); the
+  base they adapt is ``init_from`` (or the preset's config and seed)."""
+  identity = dict(
+      config=cfg.identity(), seed=job.schedule.seed, batch_size=job.schedule.batch_size,
+      seq_len=job.model.seq_len, data=corpus.source, tokenizer=corpus.tokenizer.name,
+      init_from=str(Path(job.model.init_from).resolve()) if job.model.init_from else None,
+      # lr, warmup_steps, weight_decay, grad_clip; label_smoothing, z_loss
+      optimizer=dataclasses.asdict(job.optimizer), loss=job.loss.identity())
+  if job.lora.rank:
+    identity["lora"] = job.lora.identity()
+  return identity
 
 
 def _differences(saved: dict[str, Any], ours: dict[str, Any], prefix: str = "") -> list[str]:

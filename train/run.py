@@ -82,6 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
                  choices=["probs", "position"],
                  help="which choices a full expert keeps: the largest routing weights "
                       "(Megatron's default) or the earliest tokens")
+  p.add_argument("--lora-rank", type=int, default=d["lora_rank"],
+                 help="LoRA fine-tuning: adapters of this rank on --lora-targets, trained "
+                      "alone (the base frozen, outside the optimizer); 0: full fine-tuning")
+  p.add_argument("--lora-alpha", type=float, default=d["lora_alpha"],
+                 help="LoRA scaling alpha / rank (PEFT's lora_alpha)")
+  p.add_argument("--lora-targets", default=d["lora_targets"],
+                 help="comma-separated globs over module paths of the layers to adapt, "
+                      "e.g. 'blocks.*.attn.[qkvo],blocks.*.mlp.*'")
+  p.add_argument("--lora-rslora", action="store_true",
+                 help="rsLoRA scaling alpha / sqrt(rank)")
   p.add_argument("--dropout", type=float, default=d["dropout"],
                  help="dropout rate; masks do not depend on the mesh")
   p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"],
@@ -167,6 +177,18 @@ def check_args(args: argparse.Namespace) -> None:
     value = getattr(args, name)
     if not (math.isfinite(value) and ok(value)):
       raise UsageError(f"{_flag(name)} must be {expected}, got {value}")
+  if args.lora_rank < 0 or args.lora_rank > INT_MAX:
+    raise UsageError(f"--lora-rank must be an integer >= 0 (0: full fine-tuning), got "
+                     f"{args.lora_rank}")
+  if not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
+    raise UsageError(f"--lora-alpha must be a positive number, got {args.lora_alpha}")
+  lora_flags = [flag for flag, given in (
+      ("--lora-alpha", args.lora_alpha != DEFAULTS["lora_alpha"]),
+      ("--lora-targets", args.lora_targets != DEFAULTS["lora_targets"]),
+      ("--lora-rslora", args.lora_rslora)) if given]
+  if lora_flags and not args.lora_rank:
+    raise UsageError(f"{lora_flags[0]} needs --lora-rank (without it the run fine-tunes "
+                     "every param)")
   if args.expert_drop_policy != "probs" and args.expert_capacity_factor is None:
     raise UsageError("--expert-drop-policy needs --expert-capacity-factor (without one "
                      "nothing is dropped)")

@@ -64,6 +64,7 @@ class SetUp:
                        f"{data_size}-way data axis of --mesh {job.mesh}")
     overrides = job.model.overrides()
     self.execution = job.execution
+    self.lora = job.lora.config(job.schedule.seed)
     tokenizer = None
     if job.model.init_from:
       self.cfg, tokenizer = hf_model_and_tokenizer(job.model.init_from, overrides)
@@ -96,15 +97,20 @@ class SetUp:
   def _build_state(self, overrides: dict[str, Any]) -> None:
     """The model's trainer, and its params and optimizer state (restored on resume)."""
     job = self.job
-    if job.model.init_from and self.start == 0:
+    # The base from --init-from on a fresh run, and with LoRA on resume too (a LoRA
+    # checkpoint holds the adapters alone).
+    if job.model.init_from and (self.start == 0 or self.lora is not None):
       try:
         model = load_hf(job.model.init_from, self.mesh, seed=job.schedule.seed,
-                        execution=self.execution, **overrides)
+                        execution=self.execution, lora=self.lora, **overrides)
       except (ValueError, OSError) as err:  # missing or misshapen tensors: bad input
         raise UsageError(f"--init-from {job.model.init_from!r}: {err}") from None
     else:  # a fresh model, or one a checkpoint then overwrites
-      model = Transformer(self.cfg, mesh=self.mesh, rngs=nnx.Rngs(job.schedule.seed),
-                          execution=self.execution)
+      try:
+        model = Transformer(self.cfg, mesh=self.mesh, rngs=nnx.Rngs(job.schedule.seed),
+                            execution=self.execution, lora=self.lora)
+      except ValueError as err:  # a LoRA target that matches no layer
+        raise UsageError(f"--lora-targets: {err}") from None
     opt = job.optimizer
     tx = make_optimizer(lr=opt.lr, steps=job.schedule.steps, warmup_steps=opt.warmup_steps,
                         weight_decay=opt.weight_decay, grad_clip=opt.grad_clip)
@@ -116,10 +122,12 @@ class SetUp:
     if self.start:
       try:
         restored, _ = self.checkpointer.restore(
-            {"params": self.params, "opt_state": self.opt_state}, self.start)
+            {"params": self.trainer.trained(self.params), "opt_state": self.opt_state},
+            self.start)
       except CheckpointError as err:
         raise UsageError(str(err)) from None
-      self.params, self.opt_state = restored["params"], restored["opt_state"]
+      self.params = self.trainer.with_trained(self.params, restored["params"])
+      self.opt_state = restored["opt_state"]
 
   def report_start(self) -> None:
     """The start-up lines: devices and processes, the model, the data, notes."""
@@ -142,6 +150,8 @@ class SetUp:
                   + (f" | {', '.join(options)}" if options else ""))
     if self.cfg.has_experts:
       console.print(experts_line(self.cfg, data_size, mesh.shape[flax_tp.MODEL_AXIS]))
+    if self.lora is not None:
+      console.print(lora_line(self.lora, self.trainer, self.params), markup=False)
     console.print(f"data: {self.corpus.describe()} | unigram entropy "
                   f"{self.corpus.unigram_entropy():.3f} nats | batch {job.schedule.batch_size} x "
                   f"{job.model.seq_len} tokens")
@@ -157,6 +167,18 @@ class SetUp:
       console.print(note, markup=False)
     if self.start:
       console.print(f"resumed from step {self.start} in {job.checkpoint.dir!r}")
+
+
+def lora_line(lora, trainer, params) -> str:
+  """The start-up line saying what LoRA trains."""
+  model = trainer.model(params)
+  adapters = param_summary(trainer.trained(params))["params"]
+  total = param_summary(params)["params"]
+  rule = f"alpha / sqrt(rank) = {lora.scaling:g}" if lora.rslora else (
+      f"alpha / rank = {lora.scaling:g}")
+  return (f"lora: rank {lora.rank}, {rule}, on {len(model.lora_targets)} layers "
+          f"({', '.join(lora.targets)}) | training {adapters:,} adapter params "
+          f"({100 * adapters / total:.2f}% of {total:,}); the base is frozen")
 
 
 def experts_line(cfg, data: int, model: int) -> str:

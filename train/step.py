@@ -133,8 +133,9 @@ class Trainer:
     """The params the optimizer updates: the adapters (with LoRA) or all of them."""
     return nnx.split_state(params, nnx.LoRAParam, ...)[0] if self.adapters_only else params
 
-  def _with_trained(self, params: nnx.State, trained: nnx.State) -> nnx.State:
-    """``params`` with its trained part replaced by ``trained``, in ``params``' order."""
+  def with_trained(self, params: nnx.State, trained: nnx.State) -> nnx.State:
+    """``params`` with its trained part replaced by ``trained``, in ``params``' order
+    (a step's update, or the adapters a LoRA checkpoint restores)."""
     if not self.adapters_only:
       return trained
     flat = dict(nnx.to_flat_state(trained))
@@ -149,7 +150,7 @@ class Trainer:
 
     def run(params, *args):
       return jax.value_and_grad(
-          lambda trained: fn(self._with_trained(params, trained), *args),
+          lambda trained: fn(self.with_trained(params, trained), *args),
           has_aux=has_aux)(self.trained(params))
     return run
 
@@ -247,7 +248,7 @@ class Trainer:
       loss, grads = self.loss_and_grads(params, tokens, key)
     trained = self.trained(params)
     updates, opt_state = self.tx.update(grads, opt_state, trained)
-    params = self._with_trained(params, optax.apply_updates(trained, updates))
+    params = self.with_trained(params, optax.apply_updates(trained, updates))
     return params, opt_state, {"loss": loss, "grad_norm": flax_tp.logical_norm(grads),
                                **metrics}
 
