@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_tp.param_info import ParamInfo
 from flax_tp.params import sharded_param
 
 Array = jax.Array
@@ -91,13 +90,6 @@ def add_lora(layer: Any, rank: int, alpha: float | None = None, *, rngs: nnx.Rng
 
 def has_lora(layer: Any) -> bool:
   return getattr(layer, "lora_a", None) is not None
-
-
-def logical_delta(layer: Any) -> Array:
-  """``scaling * lora_a @ lora_b [in, out]``: what merging adds to the logical kernel."""
-  a = ParamInfo.of(layer.lora_a).unpad(layer.lora_a[...])
-  b = ParamInfo.of(layer.lora_b).unpad(layer.lora_b[...])
-  return layer.lora_scaling * (a.astype(jnp.float32) @ b.astype(jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -261,6 +261,10 @@ def save_hf(model: Transformer, path: str | Path, *,
   """
   from safetensors.numpy import save_file
   cfg = model.cfg
+  if getattr(model, "lora", None) is not None:  # never silently without its adapters
+    raise ValueError("the model has LoRA adapters, which an HF checkpoint does not hold: "
+                     "save them with models.peft.save_peft_adapter, or save "
+                     "models.peft.merged(model)")
   hf_config = config_to_hf(cfg)  # refuses a model HF cannot represent, before writing
   wrong = sorted(set(special_tokens or ()) - {"bos_token_id", "eos_token_id", "pad_token_id"})
   if wrong:

@@ -1,0 +1,140 @@
+"""LoRA against peft + transformers themselves on the HF fixtures (Qwen2: 6 query and 2 kv
+heads, FFN 38, uneven over 3, 4 and 8): an adapter peft made (random nonzero B; its
+outputs stored beside it) gives flax_tp peft's logits, adapter gradients and greedy
+continuation; adapters flax_tp writes read in ``peft.PeftModel`` to the same logits,
+and merged into the base transformers alone reads them (live: skipped without peft)."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_tp
+from models.execution import Execution
+from models.generate import generate
+from models.hf import load_hf, save_hf
+from models.peft import PeftError, load_peft_adapter, merged, read_adapter, save_peft_adapter
+from train.step import Trainer, make_optimizer
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+BASE = FIXTURES / "hf" / "qwen2"
+MADE = FIXTURES / "peft" / "qwen2_lora"  # made by peft itself: fixtures/peft/make_fixtures.py
+IDS = np.random.default_rng(0).integers(0, 67, (4, 11))
+
+
+def live():
+  """peft, transformers and torch, for the tests that run them (skipped without)."""
+  return (pytest.importorskip("torch"), pytest.importorskip("transformers"),
+          pytest.importorskip("peft"))
+
+
+def theirs_base(transformers):
+  return transformers.AutoModelForCausalLM.from_pretrained(BASE, attn_implementation="eager"
+                                                           ).eval()
+
+
+@pytest.fixture(scope="module")
+def peft_made():
+  """The adapter peft made: rank 4, alpha 7, rsLoRA, on q, v (column) and down (row),
+  init_lora_weights=False so B is random and the adapter changes everything; with
+  peft's logits, loss, adapter gradients and greedy continuation."""
+  expected = np.load(MADE / "expected.npz")
+  assert np.array_equal(expected["ids"], IDS)
+  grads = {}
+  for key in expected.files:
+    if key.startswith("grad:"):
+      module, _, part = key[len("grad:"):].rpartition(".lora_")
+      grads[(module, part)] = expected[key].T  # torch's [r, in] / [out, r] -> ours
+  return MADE, expected["logits"], float(expected["loss"]), grads, expected["generated"]
+
+
+@pytest.mark.parametrize("mesh_spec,execution", [
+    ("2x4", Execution()),
+    ("1x3", Execution(scan_layers=True, sequence_parallel=True)),
+    pytest.param("1x1", Execution(), marks=pytest.mark.slow),
+    pytest.param("1x8", Execution(fsdp=True), marks=pytest.mark.slow)])
+def test_a_peft_adapter_gives_peft_logits_gradients_and_generation(meshes, peft_made,
+                                                                   mesh_spec, execution):
+  folder, logits, loss, grads, generated = peft_made
+  model = load_peft_adapter(BASE, folder, meshes[mesh_spec], execution=execution)
+  assert model.lora.rank == 4 and model.lora.rslora and model.lora.scaling == 7 / 2
+  assert len(model.lora_targets) == 3 * 2
+  np.testing.assert_allclose(model(jnp.asarray(IDS)), logits, rtol=1e-5, atol=1e-5)
+  trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
+  tokens = jax.device_put(jnp.asarray(IDS), trainer.batch_sharding)
+  ours_loss, ours = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
+  np.testing.assert_allclose(ours_loss, loss, rtol=1e-5)
+  from models.peft import module_names
+  names = module_names(model.cfg)
+  ours = {".".join(map(str, k)): np.asarray(v[...])
+          for k, v in nnx.to_flat_state(flax_tp.unshard(ours))}
+  assert len(ours) == len(grads)
+  for target in model.lora_targets:
+    for part, name in (("A", "lora_a"), ("B", "lora_b")):
+      theirs = grads[(names[target], part)]
+      np.testing.assert_allclose(ours[f"{target}.{name}"], theirs, rtol=1e-4,
+                                 atol=1e-5 * np.abs(theirs).max(), err_msg=target)
+  out = generate(model, IDS[:2, :5], max_new_tokens=8)
+  np.testing.assert_array_equal(out, generated)
+
+
+@pytest.mark.parametrize("mesh_spec", ["2x4", pytest.param("1x8", marks=pytest.mark.slow)])
+def test_flax_tp_adapters_read_in_peft_and_merge_for_transformers(tmp_path, meshes, mesh_spec):
+  """Adapters on every projection, B random: the PEFT folder flax_tp writes reads in
+  ``PeftModel.from_pretrained`` to flax_tp's logits; merged and saved with ``save_hf``,
+  transformers alone reads the same logits; the round trip back is exact."""
+  torch, transformers, peft = live()
+  lora = flax_tp.LoRAConfig(rank=3, alpha=5.0, init_weights=False,
+                            targets=("blocks.*.attn.[qkvo]", "blocks.*.mlp.*"))
+  model = load_hf(BASE, meshes[mesh_spec], lora=lora)
+  ours = np.asarray(model(jnp.asarray(IDS)))
+  with pytest.raises(ValueError, match="has LoRA adapters"):
+    save_hf(model, tmp_path / "refused")
+  modules = save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(BASE))
+  assert "model.layers.1.mlp.down_proj" in modules and len(modules) == 14
+  theirs = peft.PeftModel.from_pretrained(theirs_base(transformers), tmp_path / "adapter"
+                                          ).eval()
+  with torch.no_grad():
+    np.testing.assert_allclose(theirs(torch.as_tensor(IDS)).logits.numpy(), ours, rtol=1e-5,
+                               atol=1e-5)
+  save_hf(merged(model), tmp_path / "merged")
+  alone = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+  with torch.no_grad():
+    np.testing.assert_allclose(alone(torch.as_tensor(IDS)).logits.numpy(), ours, rtol=1e-5,
+                               atol=1e-5)
+  again = load_peft_adapter(BASE, tmp_path / "adapter", meshes["1x3"])
+  want = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(
+      flax_tp.unshard(nnx.state(model, nnx.LoRAParam)))}
+  got = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(
+      flax_tp.unshard(nnx.state(again, nnx.LoRAParam)))}
+  assert set(got) == set(want)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
+
+
+def test_what_is_not_plain_lora_is_refused_by_name(tmp_path, peft_made):
+  import json
+  import shutil
+
+  from models.hf import read_config
+  cfg = read_config(BASE)
+  folder = tmp_path / "a"
+  shutil.copytree(peft_made[0], folder)
+  config = json.loads((folder / "adapter_config.json").read_text())
+  for key, value, message in (("use_dora", True, "use_dora True is not plain LoRA"),
+                              ("bias", "all", "bias 'all' is not plain LoRA"),
+                              ("lora_dropout", 0.1, "lora_dropout 0.1")):
+    (folder / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(PeftError, match=message):
+      read_adapter(folder, cfg)
+  (folder / "adapter_config.json").write_text(json.dumps(config))
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(folder / "adapter_model.safetensors")
+  tensors["base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"] = np.zeros((4, 24),
+                                                                                      np.float32)
+  save_file(tensors, folder / "adapter_model.safetensors")
+  with pytest.raises(PeftError, match="layers.7.self_attn.q_proj.lora_A.weight' adapts no"):
+    read_adapter(folder, cfg)
