@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -160,3 +161,24 @@ def logged_losses(metrics_path) -> list[float]:
   from pathlib import Path
   return [r["loss"] for r in map(json.loads, Path(metrics_path).read_text().splitlines())
           if "loss" in r]
+
+
+def fine_tune_folder(tmp_path, name):
+  """A family's fixture config at a BPE tokenizer's vocabulary, saved with random weights
+  and that tokenizer.json as an HF folder: (config, folder, train/run.py flags for it)."""
+  import dataclasses
+
+  from models.hf import read_config, save_hf
+  from models.transformer import Transformer
+  corpus = write_small_corpus(tmp_path / "corpus.py")
+  tokenizer = bpe_tokenizer(corpus)
+  fixture = Path(__file__).resolve().parent / "fixtures" / "hf" / name
+  cfg = dataclasses.replace(read_config(fixture), vocab_size=tokenizer.get_vocab_size() + 3,
+                            max_seq_len=32)
+  folder = tmp_path / "model"
+  save_hf(Transformer(cfg, mesh=flax_tp.make_mesh("1x1"), rngs=nnx.Rngs(3)), folder)
+  tokenizer.save(str(folder / "tokenizer.json"))
+  flags = ["--init-from", str(folder), "--batch-size", "8", "--seq-len", "16", "--steps", "6",
+           "--lr", "1e-2", "--warmup-steps", "1", "--eval-every", "0", "--sample-length", "4",
+           "--data", corpus]
+  return cfg, folder, flags

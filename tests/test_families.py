@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import fine_tune_folder
 
 from models.config import FULL, SLIDING, RopeScaling, TransformerConfig
 from models.execution import Execution
@@ -290,29 +291,6 @@ def test_old_identity_is_unchanged_and_new_fields_round_trip():
 
 # -- from the CLI, as a new user runs it -----------------------------------------------------
 
-def _fine_tune_folder(tmp_path, name):
-  """A family's fixture config at a BPE tokenizer's vocabulary, saved with random weights
-  and that tokenizer.json as an HF folder: (config, folder, train/run.py flags for it)."""
-  import dataclasses
-
-  from flax import nnx
-  from helpers import bpe_tokenizer, write_small_corpus
-
-  import flax_tp
-  from models.transformer import Transformer
-  corpus = write_small_corpus(tmp_path / "corpus.py")
-  tokenizer = bpe_tokenizer(corpus)
-  cfg = dataclasses.replace(read_config(FIXTURES / name),
-                            vocab_size=tokenizer.get_vocab_size() + 3, max_seq_len=32)
-  folder = tmp_path / "model"
-  save_hf(Transformer(cfg, mesh=flax_tp.make_mesh("1x1"), rngs=nnx.Rngs(3)), folder)
-  tokenizer.save(str(folder / "tokenizer.json"))
-  flags = ["--init-from", str(folder), "--batch-size", "8", "--seq-len", "16", "--steps", "6",
-           "--lr", "1e-2", "--warmup-steps", "1", "--eval-every", "0", "--sample-length", "4",
-           "--data", corpus]
-  return cfg, folder, flags
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma3_text", "phi3"])
 def test_a_family_fine_tunes_resumes_on_another_mesh_and_generates(tmp_path, name, capsys):
@@ -324,7 +302,7 @@ def test_a_family_fine_tunes_resumes_on_another_mesh_and_generates(tmp_path, nam
 
   from train import generate as cli
   from train.run import main
-  cfg, folder, flags = _fine_tune_folder(tmp_path, name)
+  cfg, folder, flags = fine_tune_folder(tmp_path, name)
   ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
   assert main([*flags, "--mesh", "2x4", "--sequence-parallel", "--remat", "block",
                "--scan-layers", "--fsdp", "--checkpoint-dir", str(ck), "--checkpoint-every",
@@ -402,7 +380,7 @@ def test_a_moe_family_fine_tunes_resumes_exports_and_transformers_reads_it(tmp_p
   from train.run import main
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  cfg, folder, flags = _fine_tune_folder(tmp_path, name)
+  cfg, folder, flags = fine_tune_folder(tmp_path, name)
   ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
   assert main([*flags, "--mesh", "2x4", "--remat", "block", "--fsdp", "--checkpoint-dir",
                str(ck), "--checkpoint-every", "3", "--metrics-file", str(metrics)]) == 0

@@ -4,6 +4,7 @@ outputs stored beside it) gives flax_tp peft's logits, adapter gradients and gre
 continuation; adapters flax_tp writes read in ``peft.PeftModel`` to the same logits,
 and merged into the base transformers alone reads them (live: skipped without peft)."""
 
+import shutil
 from pathlib import Path
 
 import jax
@@ -138,3 +139,65 @@ def test_what_is_not_plain_lora_is_refused_by_name(tmp_path, peft_made):
   save_file(tensors, folder / "adapter_model.safetensors")
   with pytest.raises(PeftError, match="layers.7.self_attn.q_proj.lora_A.weight' adapts no"):
     read_adapter(folder, cfg)
+
+
+@pytest.mark.slow
+def test_a_new_user_fine_tunes_with_lora_resumes_exports_and_peft_reads_it(tmp_path, capsys):
+  """README's path: ``train/run.py --init-from`` a Qwen2 folder with LoRA on 2x4 (FSDP and
+  remat too), resumed on 1x8 from a copied checkpoint that holds the adapters alone,
+  ``train/export.py`` of the adapter, which ``peft.PeftModel.from_pretrained`` reads to
+  the logits of the checkpoint's model, and ``--merge``, which transformers reads alone
+  to the same logits; ``train/generate.py --hf --adapter`` continues a prompt."""
+  torch, transformers, peft = live()
+  from helpers import fine_tune_folder, logged_losses
+
+  import flax_tp
+  from train import export, generate as cli
+  from train.run import main
+  cfg, folder, flags = fine_tune_folder(tmp_path, "qwen2")
+  lora = ["--lora-rank", "4", "--lora-alpha", "8",
+          "--lora-targets", "blocks.*.attn.[qkvo],blocks.*.mlp.*"]
+  ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+  assert main([*flags, *lora, "--mesh", "2x4", "--fsdp", "--remat", "block",
+               "--checkpoint-dir", str(ck), "--checkpoint-every", "3",
+               "--metrics-file", str(metrics)]) == 0
+  assert "lora: rank 4, alpha / rank = 2, on 14 layers" in capsys.readouterr().out
+  losses = logged_losses(metrics)
+  assert len(losses) == 6 and losses[-1] < losses[0]
+  moved = tmp_path / "moved"
+  moved.mkdir()
+  shutil.copytree(ck / "3", moved / "3")
+  held = sum(f.stat().st_size for f in (moved / "3").glob("shards.*.bin"))
+  resumed = tmp_path / "r.jsonl"
+  assert main([*flags, *lora, "--mesh", "1x8", "--resume", "--checkpoint-dir", str(moved),
+               "--metrics-file", str(resumed)]) == 0
+  np.testing.assert_allclose(logged_losses(resumed)[0], losses[3], rtol=1e-5)
+  assert main([*flags, "--lora-rank", "8", "--mesh", "1x8", "--resume", "--checkpoint-dir",
+               str(moved)]) == 2  # other adapters than the run's: refused, naming them
+  assert "lora.rank 4 there, 8 here" in capsys.readouterr().err
+
+  out = tmp_path / "adapter"
+  assert export.main(["--checkpoint", str(moved), "--out", str(out), "--mesh", "2x4"]) == 0
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 12))
+  args = type("Args", (), dict(checkpoint=str(moved), step=None, dtype=None))()
+  ours, _, _ = cli.load_from_checkpoint(args, flax_tp.make_mesh("1x3"))
+  expected = np.asarray(jax.jit(lambda t: ours(t))(jnp.asarray(ids, jnp.int32)))
+  adapters = sum(v.size for v in jax.tree.leaves(flax_tp.unshard(nnx.state(ours,
+                                                                            nnx.LoRAParam))))
+  # the adapters and their two Adam moments in float32 (and a few scalars): no base weight
+  assert 3 * 4 * adapters <= held <= 3 * 4 * adapters + 64
+  theirs = peft.PeftModel.from_pretrained(
+      transformers.AutoModelForCausalLM.from_pretrained(folder), out).eval()
+  with torch.no_grad():
+    np.testing.assert_allclose(theirs(torch.as_tensor(ids)).logits.numpy(), expected,
+                               rtol=1e-4, atol=1e-4)
+  capsys.readouterr()
+  assert cli.main(["--hf", str(folder), "--adapter", str(out), "--mesh", "2x4", "--prompt",
+                   "def f(", "--max-new-tokens", "5"]) == 0
+  assert capsys.readouterr().out.startswith("def f(")
+  merged_out = tmp_path / "merged"
+  assert export.main(["--checkpoint", str(moved), "--out", str(merged_out), "--merge"]) == 0
+  alone = transformers.AutoModelForCausalLM.from_pretrained(merged_out).eval()
+  with torch.no_grad():
+    np.testing.assert_allclose(alone(torch.as_tensor(ids)).logits.numpy(), expected,
+                               rtol=1e-4, atol=1e-4)

@@ -8,7 +8,10 @@ Writes ``config.json`` and ``model.safetensors`` in the family the run's model c
 (``models.hf.save_hf``: a Mixtral's experts one tensor each, as ``save_pretrained``
 writes them), so ``transformers.AutoModelForCausalLM.from_pretrained(out)`` reads it. A run
 started ``--init-from`` a folder also gets that folder's tokenizer files and its special
-token ids. Bad input exits 2 with one line on stderr.
+token ids. A LoRA run (``--lora-rank``) writes its adapters as a PEFT folder
+(``adapter_config.json``, ``adapter_model.safetensors``) that
+``peft.PeftModel.from_pretrained(base, out)`` reads, or with ``--merge`` the base with
+the adapters merged in, as an HF model folder. Bad input exits 2 with one line on stderr.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the checkpoint step to export (default: the latest)")
   p.add_argument("--out", metavar="DIR", required=True, help="the HF folder to write")
   p.add_argument("--mesh", default="1x1", help="DATAxMODEL devices to restore on, e.g. 1x8")
+  p.add_argument("--merge", action="store_true",
+                 help="a LoRA run: write the base with its adapters merged in (an HF model "
+                      "folder) instead of the PEFT adapter")
   return p
 
 
@@ -58,6 +64,13 @@ def run(args: argparse.Namespace) -> int:
   args.dtype = None  # the checkpoint's own
   model, _, _ = load_from_checkpoint(args, mesh)
   source = _init_from(Path(args.checkpoint), args.step)
+  if model.lora is not None and not args.merge:
+    return _export_adapter(model, Path(args.out), source)
+  if args.merge:
+    if model.lora is None:
+      raise UsageError(f"--merge: the run in {args.checkpoint!r} has no LoRA adapters")
+    from models.peft import merged
+    model = merged(model)
   special = {}
   if source is not None and (source / "config.json").is_file():
     hf = json.loads((source / "config.json").read_text(encoding="utf-8"))
@@ -80,6 +93,22 @@ def run(args: argparse.Namespace) -> int:
   if model.cfg.expert_capacity_factor is not None:  # an HF config has no such field
     print(f"note: trained with expert capacity factor {model.cfg.expert_capacity_factor:g}; "
           "transformers runs the experts dropless")
+  return 0
+
+
+def _export_adapter(model, out: Path, source: Path | None) -> int:
+  from models.peft import CONFIG, save_peft_adapter
+  if (out / CONFIG).exists():  # never over another adapter
+    raise UsageError(f"--out {str(out)!r} already holds an adapter ({CONFIG}); choose a new "
+                     "or empty folder")
+  if out.exists() and not out.is_dir():
+    raise UsageError(f"--out {str(out)!r} is a file, not a folder")
+  try:
+    modules = save_peft_adapter(model, out, base_model_name_or_path=source and str(source))
+  except ValueError as err:
+    raise UsageError(f"--out {str(out)!r}: {err}") from None
+  print(f"wrote {out} (a PEFT LoRA adapter: rank {model.lora.rank} on {len(modules)} "
+        f"modules{'' if source is None else f' of {source}'})")
   return 0
 
 

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
   source = p.add_mutually_exclusive_group(required=True)
   source.add_argument("--hf", metavar="DIR", help="a HuggingFace model folder (a family of models/families.py)")
   source.add_argument("--checkpoint", metavar="DIR", help="a train/run.py --checkpoint-dir")
+  p.add_argument("--adapter", metavar="DIR", default=None,
+                 help="with --hf: a PEFT LoRA adapter folder to apply to it")
   p.add_argument("--step", type=int, default=None,
                  help="the checkpoint step to load (default: the latest)")
   p.add_argument("--mesh", default="1x1", help="DATAxMODEL devices, e.g. 1x8")
@@ -78,6 +80,8 @@ def check_args(args: argparse.Namespace) -> None:
     raise UsageError(f"--seed must be an integer in [0, 2**32), got {args.seed}")
   if args.step is not None and args.hf:
     raise UsageError("--step needs --checkpoint (an HF folder holds one model)")
+  if args.adapter is not None and not args.hf:
+    raise UsageError("--adapter needs --hf (a LoRA run's checkpoint holds its own adapters)")
   if not args.prompt:
     raise UsageError("--prompt is empty: give at least one character to continue")
   if not_utf8(args.prompt):
@@ -96,9 +100,16 @@ def load_from_hf(args, mesh):
   overrides = {"dtype": args.dtype} if args.dtype else {}
   try:
     _, tokenizer = hf_model_and_tokenizer(args.hf, overrides, flag="--hf")
-    model = load_hf(args.hf, mesh, **overrides)
+    if args.adapter is None:
+      model = load_hf(args.hf, mesh, **overrides)
   except (HFConfigError, ValueError, OSError) as err:
     raise UsageError(f"--hf {args.hf!r}: {err}") from None
+  if args.adapter is not None:
+    from models.peft import load_peft_adapter
+    try:
+      model = load_peft_adapter(args.hf, args.adapter, mesh, **overrides)
+    except (ValueError, OSError) as err:
+      raise UsageError(f"--adapter {args.adapter!r}: {err}") from None
   return model, tokenizer, eos_ids(Path(args.hf))
 
 
@@ -120,7 +131,6 @@ def load_from_checkpoint(args, mesh):
 
   from flax_tp.checkpoint import Checkpointer, CheckpointError
   from models.config import TransformerConfig
-  from models.transformer import Transformer
   from train.data import ByteTokenizer, HFTokenizer
   checkpointer = Checkpointer(args.checkpoint)
   try:
@@ -151,14 +161,49 @@ def load_from_checkpoint(args, mesh):
     if tokenizer.name != name:
       raise UsageError(f"--checkpoint {args.checkpoint!r}: {str(path)!r} changed since the run "
                        f"(it is {tokenizer.name}, the run used {name})")
-  model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+  model = _model_of_run(args, run, cfg, mesh)
+  # A LoRA run's checkpoint holds its adapters alone, on the base rebuilt above.
+  held = nnx.LoRAParam if model.lora is not None else nnx.Param
   try:
-    restored, _ = checkpointer.restore({"params": nnx.state(model, nnx.Param)}, args.step)
+    restored, _ = checkpointer.restore({"params": nnx.state(model, held)}, args.step)
   except CheckpointError as err:
     raise UsageError(f"--checkpoint: {err}") from None
   nnx.update(model, restored["params"])
   eos = eos_ids(Path(run["init_from"])) if run.get("init_from") else []
   return model, tokenizer, eos
+
+
+def _model_of_run(args, run: dict, cfg, mesh):
+  """The model a checkpoint's params go into: the config's, or for a LoRA run its base
+  (``--init-from``'s folder, checked to be the model the run trained, or the preset's
+  draws at the run's seed) with the run's adapters."""
+  from flax import nnx
+
+  from flax_tp.lora import LoRAConfig
+  from models.transformer import Transformer
+  settings = run.get("lora")
+  if not settings:
+    return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+  lora = LoRAConfig(rank=settings["rank"], alpha=settings["alpha"], rslora=settings["rslora"],
+                    targets=tuple(t.strip() for t in settings["targets"].split(",") if t.strip()))
+  seed = int(run.get("seed", 0))
+  if not run.get("init_from"):
+    return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed), lora=lora)
+  from models.hf import load_hf
+  base = Path(run["init_from"])
+  if not (base / "config.json").is_file():
+    raise UsageError(f"--checkpoint {args.checkpoint!r}: its LoRA adapters' base "
+                     f"{str(base)!r} is gone")
+  try:
+    model = load_hf(base, mesh, seed=seed, lora=lora, max_seq_len=cfg.max_seq_len,
+                    dropout=cfg.dropout, dtype=cfg.dtype)
+  except (ValueError, OSError) as err:
+    raise UsageError(f"--checkpoint {args.checkpoint!r}: its base {str(base)!r}: {err}"
+                     ) from None
+  if model.cfg.identity() != cfg.identity():
+    raise UsageError(f"--checkpoint {args.checkpoint!r}: its base {str(base)!r} is not the "
+                     "model the run adapted (its config changed since)")
+  return model
 
 
 class TextStream:
