@@ -300,3 +300,22 @@ def test_moe_bench_smoke(tmp_path):
   assert set(timed["step_s"]) == {"flax_tp", "flax_tp_capacity_4", "flax_tp_capacity_1.25",
                                   "gspmd_einsum", "gspmd_loop"}
   assert all(v > 0 for v in timed["step_s"].values())
+
+
+def test_lora_bench_smoke(tmp_path):
+  """bench.lora end to end on the tiny preset: full fine-tuning holds four times its
+  params; LoRA its params (base and adapters) and three times its adapters; PEFT's
+  default (rank 8 on q, v) less than full fine-tuning even at this width."""
+  from bench.lora import SETTINGS, main as lora_main
+  out = tmp_path / "lora.json"
+  assert lora_main(["--presets", "llama-tiny", "--meshes", "2x4", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["mesh"], r["fsdp"]) for r in rows] == [("2x4", False), ("2x4", True)]
+  for row in rows:
+    full = row["full_fine_tune"]
+    assert full["total"] == 4 * full["params"]
+    for name in SETTINGS:
+      lora = row[name]
+      assert lora["total"] == lora["params"] + 3 * lora["adapters"]
+      assert lora["params"] > full["params"] and lora["adapters"] > 0
+    assert row["peft-default r8 q,v"]["total"] < full["total"]
