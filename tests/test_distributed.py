@@ -96,6 +96,24 @@ def test_experts_over_data_across_two_processes_equal_one(tmp_path, corpus):
   assert steps_one[0]["expert_dropped"] > 0
 
 
+def test_lora_across_two_processes_equals_one(tmp_path, corpus):
+  """LoRA adapters on every projection, the base FSDP-split over a data axis spanning two
+  processes: the adapters' gradients are reduced between them; the losses are the single
+  process's."""
+  flags = [*FLAGS, "--mesh", "2x4", "--steps", "3", "--lora-rank", "4", "--lora-targets",
+           "blocks.*.attn.[qkvo],blocks.*.mlp.*", "--fsdp", "--data", corpus]
+  two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
+  out = subprocess.run(
+      [sys.executable, str(ROOT / "train" / "launch.py"), "--processes", "2", "--", *flags,
+       "--metrics-file", str(two)], capture_output=True, text=True, env=clean_env(),
+      timeout=240)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "2 process(es)" in out.stdout and "lora: rank 4" in out.stdout
+  assert main([*flags, "--metrics-file", str(one)]) == 0
+  assert len(losses(two)) == 3
+  np.testing.assert_allclose(losses(two), losses(one), rtol=1e-5)
+
+
 def _wait_for_steps(launcher, metrics, steps: int) -> None:
   """Until the launched run's metrics file holds ``steps`` losses (bounded: 120 s)."""
   deadline = time.time() + 120

@@ -304,3 +304,54 @@ def test_the_step_sends_the_base_models_collectives_and_the_adapters_gradients(m
   assert {axes for _, axes in found[True]} == {("model",), ("data",)}
   assert all(kind == "all-reduce" for kind, axes in found[True] if axes == ("data",))
   assert data_operands[True] == sorted([(), *adapters])
+
+
+class _MLP(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.Linear(IN, OUT, rngs=rngs)
+    self.down = nnx.Linear(OUT, IN, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("mesh_spec", ["1x3", "2x4"])
+def test_a_parallelized_model_takes_adapters_and_trains_them_alone(meshes, mesh_spec):
+  """A plain nnx model parallelized (up column, down row; 10 over 3 or 4), adapters added
+  by glob: its output and adapter gradients, called standalone, equal the plain formula's;
+  ``nnx.Optimizer(wrt=nnx.LoRAParam)`` moves the adapters and nothing else."""
+  import optax
+  model = flax_tp.parallelize(_MLP(nnx.Rngs(0)), meshes[mesh_spec],
+                              {"up": "column", "down": "row"})
+  targets = flax_tp.add_adapters(model, flax_tp.LoRAConfig(rank=RANK, alpha=ALPHA,
+                                                           targets=("*",), init_weights=False))
+  assert targets == ["down", "up"]
+  p = {f"{name}.{k}": v for name in ("up", "down") for k, v in logical(getattr(model, name)).items()}
+  s = lora_scaling(RANK, ALPHA)
+
+  def plain_mlp(p, x):
+    h = jax.nn.gelu(plain({k[3:]: v for k, v in p.items() if k.startswith("up.")}, x, s))
+    return plain({k[5:]: v for k, v in p.items() if k.startswith("down.")}, h, s)
+
+  x = jax.random.normal(jax.random.key(3), (5, IN))
+  loss = lambda y: jnp.sum(jnp.sin(y) * y)
+  np.testing.assert_allclose(jax.jit(lambda m, x: m(x))(model, x), plain_mlp(p, x), rtol=1e-5,
+                             atol=1e-5)
+  grads = jax.jit(nnx.grad(lambda m: loss(m(x)), argnums=nnx.DiffState(0, nnx.LoRAParam)))(model)
+  ref = jax.grad(lambda p: loss(plain_mlp(p, x)))(p)
+  flat = {".".join(map(str, k)): np.asarray(v[...])
+          for k, v in nnx.to_flat_state(flax_tp.unshard(grads))}
+  assert set(flat) == {k for k in ref if "lora" in k}
+  for name, g in flat.items():
+    np.testing.assert_allclose(g, ref[name], rtol=1e-4, atol=1e-5 * np.abs(ref[name]).max(),
+                               err_msg=name)
+  base = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+          if not isinstance(v, nnx.LoRAParam)}
+  adapters = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+  optimizer.update(model, grads)
+  for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    if isinstance(v, nnx.LoRAParam):
+      assert not np.array_equal(np.asarray(v[...]), adapters[k]), k
+    else:
+      np.testing.assert_array_equal(np.asarray(v[...]), base[k], err_msg=str(k))
