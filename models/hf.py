@@ -92,6 +92,22 @@ def _keys_of(path: Path) -> list[str]:
     raise HFConfigError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
 
 
+def weights_digest(path: str | Path) -> str:
+  """sha256 of the weight files an HF folder's model is read from (as ``load_hf`` reads
+  them: ``model.safetensors``, or the shards its index names), names and bytes, read in
+  16 MiB pieces: what a LoRA run's adapters were trained on."""
+  import hashlib
+  directory = Path(path)
+  tensors = _Tensors(directory)
+  digest = hashlib.sha256()
+  for file in sorted(set(tensors.files.values())):
+    digest.update(file.name.encode() + b"\0")
+    with open(file, "rb") as f:
+      while chunk := f.read(1 << 24):
+        digest.update(chunk)
+  return digest.hexdigest()
+
+
 class _Tensors:
   """Reads the tensors of a safetensors checkpoint, single-file or sharded, one at a time.
 

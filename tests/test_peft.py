@@ -201,3 +201,15 @@ def test_a_new_user_fine_tunes_with_lora_resumes_exports_and_peft_reads_it(tmp_p
   with torch.no_grad():
     np.testing.assert_allclose(alone(torch.as_tensor(ids)).logits.numpy(), expected,
                                rtol=1e-4, atol=1e-4)
+
+  # The base's weights replaced under the same name: the adapters are not its.
+  from safetensors.numpy import load_file, save_file
+  weights = load_file(folder / "model.safetensors")
+  weights["model.norm.weight"] = weights["model.norm.weight"] * 2
+  save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+  capsys.readouterr()
+  assert main([*flags, *lora, "--mesh", "1x8", "--resume", "--checkpoint-dir", str(moved),
+               "--steps", "7"]) == 2
+  assert "lora_base_sha256" in capsys.readouterr().err
+  assert export.main(["--checkpoint", str(moved), "--out", str(tmp_path / "again")]) == 2
+  assert "weights changed since" in capsys.readouterr().err

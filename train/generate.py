@@ -200,9 +200,11 @@ def _model_of_run(args, run: dict, cfg, mesh):
   except (ValueError, OSError) as err:
     raise UsageError(f"--checkpoint {args.checkpoint!r}: its base {str(base)!r}: {err}"
                      ) from None
-  if model.cfg.identity() != cfg.identity():
+  from models.hf import weights_digest
+  if model.cfg.identity() != cfg.identity() or (
+      run.get("lora_base_sha256") not in (None, weights_digest(base))):
     raise UsageError(f"--checkpoint {args.checkpoint!r}: its base {str(base)!r} is not the "
-                     "model the run adapted (its config changed since)")
+                     "model the run adapted (its config or weights changed since)")
   return model
 
 

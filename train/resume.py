@@ -23,8 +23,9 @@ from train.metrics import is_main_process
 def run_identity(job: Job, cfg: TransformerConfig,
                  corpus: TokenCorpus) -> dict[str, Any]:
   """What makes a run this run: a checkpoint of another is never resumed silently. With
-  LoRA the adapters' settings too (left out without, so earlier runs still resume); the
-  base they adapt is ``init_from`` (or the preset's config and seed)."""
+  LoRA the adapters' settings too (left out without, so earlier runs still resume), and
+  the base they adapt: ``init_from`` and the sha256 of its weights (or the preset's config
+  and seed)."""
   identity = dict(
       config=cfg.identity(), seed=job.schedule.seed, batch_size=job.schedule.batch_size,
       seq_len=job.model.seq_len, data=corpus.source, tokenizer=corpus.tokenizer.name,
@@ -33,6 +34,9 @@ def run_identity(job: Job, cfg: TransformerConfig,
       optimizer=dataclasses.asdict(job.optimizer), loss=job.loss.identity())
   if job.lora.rank:
     identity["lora"] = job.lora.identity()
+    if job.model.init_from:  # a LoRA checkpoint holds no base: the base must be the same
+      from models.hf import weights_digest
+      identity["lora_base_sha256"] = weights_digest(job.model.init_from)
   return identity
 
 
