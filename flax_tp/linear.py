@@ -31,7 +31,6 @@ from flax_tp.collectives import (
   shard_index,
 )
 from flax_tp.layer import ParallelModule
-from flax_tp.lora import has_lora
 from flax_tp.matmul import dense_matmul
 from flax_tp.mesh import MODEL_AXIS
 from flax_tp.padding import masked, sum_over_replicas
@@ -40,6 +39,11 @@ from flax_tp.params import sharded_param
 from flax_tp.partition import SegmentedLayout, ShardLayout
 
 Array = jax.Array
+
+
+def has_lora(layer: Any) -> bool:
+  """Whether ``layer`` carries a LoRA adapter (``flax_tp.lora.add_lora``)."""
+  return getattr(layer, "lora_a", None) is not None
 
 
 class _ParallelDense(ParallelModule):

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flax_tp.linear import ColumnParallelDense, RowParallelDense, has_lora
 from flax_tp.params import sharded_param
 
 Array = jax.Array
@@ -60,7 +61,6 @@ def add_lora(layer: Any, rank: int, alpha: float | None = None, *, rngs: nnx.Rng
   ``lora_a [in, r]`` and ``lora_b [r, out]`` are stored padded and split as the module
   docstring says; their padding is zero and stays zero (the layer masks it).
   """
-  from flax_tp.linear import ColumnParallelDense, RowParallelDense
   if not isinstance(layer, (ColumnParallelDense, RowParallelDense)):
     raise TypeError(f"add_lora takes a ColumnParallelDense or RowParallelDense, got "
                     f"{type(layer).__name__}")
@@ -69,7 +69,7 @@ def add_lora(layer: Any, rank: int, alpha: float | None = None, *, rngs: nnx.Rng
   alpha = rank if alpha is None else alpha
   if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
     raise ValueError(f"LoRA alpha must be a positive number, got {alpha!r}")
-  if getattr(layer, "lora_a", None) is not None:
+  if has_lora(layer):
     raise ValueError("this layer already has a LoRA adapter")
   column = isinstance(layer, ColumnParallelDense)
   dtype = param_dtype or layer.param_dtype
@@ -86,10 +86,6 @@ def add_lora(layer: Any, rank: int, alpha: float | None = None, *, rngs: nnx.Rng
                                **common)
   layer.lora_scaling = lora_scaling(rank, alpha, rslora)
   return layer
-
-
-def has_lora(layer: Any) -> bool:
-  return getattr(layer, "lora_a", None) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +118,6 @@ class LoRAConfig:
 
 def dense_layers(model: nnx.Module) -> list[tuple[str, Any]]:
   """``(dotted path, layer)`` of every column- and row-parallel layer in ``model``."""
-  from flax_tp.linear import ColumnParallelDense, RowParallelDense
   return [(".".join(map(str, path)), module) for path, module in nnx.iter_modules(model)
           if isinstance(module, (ColumnParallelDense, RowParallelDense))]
 
