@@ -226,6 +226,12 @@ def test_no_blank_line_before_an_error_on_a_cold_cache(tmp_path, monkeypatch, ca
      "experts; this one has none"),
     (["--expert-drop-policy", "position"], "--expert-drop-policy needs "
      "--expert-capacity-factor"),
+    (["--lora-rank", "-1"], "--lora-rank must be an integer >= 0 (0: full fine-tuning), "
+     "got -1"),
+    (["--lora-rank", "4", "--lora-alpha", "nan"], "--lora-alpha must be a positive number"),
+    (["--lora-targets", "blocks.*.attn.o"], "--lora-targets needs --lora-rank"),
+    (["--lora-rank", "4", "--lora-targets", "no.such"], "--lora-targets: LoRA target "
+     "'no.such' matches no column- or row-parallel layer"),
     (["--steps", "99999999999"], "--steps must be an integer in [1, 2147483647]"),
     (["--checkpoint-dir", "/proc/foo"], "--checkpoint-dir '/proc/foo' cannot be created"),
     (["--checkpoint-dir", __file__], "is a file, not a folder"),
