@@ -182,3 +182,10 @@ def fine_tune_folder(tmp_path, name):
            "--lr", "1e-2", "--warmup-steps", "1", "--eval-every", "0", "--sample-length", "4",
            "--data", corpus]
   return cfg, folder, flags
+
+
+def logical_arrays(state) -> dict[str, np.ndarray]:
+  """A module's or state's params (or gradients) by dotted path, as logical numpy arrays
+  (``flax_tp.unshard``: padding stripped, stacked layers one by one)."""
+  return {".".join(map(str, k)): np.asarray(v[...])
+          for k, v in nnx.to_flat_state(flax_tp.unshard(state))}

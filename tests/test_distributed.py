@@ -73,6 +73,20 @@ def test_two_processes_equal_one_and_checkpoint_moves_to_one_process(tmp_path, c
   np.testing.assert_allclose(losses(resumed), losses(single)[3:], rtol=1e-5)
 
 
+def two_processes_and_one(tmp_path, flags):
+  """``train/launch.py --processes 2`` and then one process, with the same ``flags``:
+  (the launcher's stdout, the two metrics files: two processes', one process's)."""
+  two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
+  out = subprocess.run(
+      [sys.executable, str(ROOT / "train" / "launch.py"), "--processes", "2", "--", *flags,
+       "--metrics-file", str(two)], capture_output=True, text=True, env=clean_env(),
+      timeout=240)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "2 process(es)" in out.stdout
+  assert main([*flags, "--metrics-file", str(one)]) == 0
+  return out.stdout, two, one
+
+
 def test_experts_over_data_across_two_processes_equal_one(tmp_path, corpus):
   """moe-tiny with its 6 experts split over the data axis, which spans the two processes:
   each token's dispatch (all-gather over data) and combine (reduce-scatter) go between
@@ -80,14 +94,8 @@ def test_experts_over_data_across_two_processes_equal_one(tmp_path, corpus):
   the single process's."""
   flags = [*FLAGS, "--preset", "moe-tiny", "--mesh", "2x4", "--steps", "3",
            "--expert-capacity-factor", "1.0", "--sequence-parallel", "--data", corpus]
-  two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
-  out = subprocess.run(
-      [sys.executable, str(ROOT / "train" / "launch.py"), "--processes", "2", "--", *flags,
-       "--metrics-file", str(two)], capture_output=True, text=True, env=clean_env(),
-      timeout=240)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "2 process(es)" in out.stdout and "over data: 3, 3 per shard" in out.stdout
-  assert main([*flags, "--metrics-file", str(one)]) == 0
+  stdout, two, one = two_processes_and_one(tmp_path, flags)
+  assert "over data: 3, 3 per shard" in stdout
   steps_two, steps_one = ([r for r in records(p) if "loss" in r] for p in (two, one))
   assert len(steps_two) == 3
   for name in ("loss", "router_aux_loss", "expert_dropped", "expert_load"):
@@ -102,14 +110,8 @@ def test_lora_across_two_processes_equals_one(tmp_path, corpus):
   process's."""
   flags = [*FLAGS, "--mesh", "2x4", "--steps", "3", "--lora-rank", "4", "--lora-targets",
            "blocks.*.attn.[qkvo],blocks.*.mlp.*", "--fsdp", "--data", corpus]
-  two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
-  out = subprocess.run(
-      [sys.executable, str(ROOT / "train" / "launch.py"), "--processes", "2", "--", *flags,
-       "--metrics-file", str(two)], capture_output=True, text=True, env=clean_env(),
-      timeout=240)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "2 process(es)" in out.stdout and "lora: rank 4" in out.stdout
-  assert main([*flags, "--metrics-file", str(one)]) == 0
+  stdout, two, one = two_processes_and_one(tmp_path, flags)
+  assert "lora: rank 4" in stdout
   assert len(losses(two)) == 3
   np.testing.assert_allclose(losses(two), losses(one), rtol=1e-5)
 

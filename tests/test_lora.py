@@ -13,6 +13,7 @@ import flax_tp
 from flax_tp.collectives import all_gather, all_reduce
 from flax_tp.hlo import collectives
 from flax_tp.lora import add_lora, lora_scaling
+from tests.helpers import logical_arrays
 
 IN, OUT, RANK, ALPHA = 12, 10, 3, 6.0  # 10 over 3, 4 or 8 is uneven; 12 over 8 too
 
@@ -28,9 +29,7 @@ def build(kind, mesh, lora=True, rslora=False):
 
 
 def logical(layer):
-  state = flax_tp.unshard(layer)
-  return {k: jnp.asarray(v[...]) for k, v in nnx.to_flat_state(state)
-          for k in [".".join(map(str, k))]}
+  return {k: jnp.asarray(v) for k, v in logical_arrays(layer).items()}
 
 
 def plain(p, x, scaling):
@@ -82,8 +81,7 @@ def test_adapter_equals_the_plain_formula(meshes, kind, mesh_spec):
   np.testing.assert_allclose(y, plain(p, x, scaling), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   np.testing.assert_allclose(dx, ref_dx, rtol=1e-4, atol=1e-5)
-  grads = {".".join(map(str, k)): np.asarray(v[...])
-           for k, v in nnx.to_flat_state(flax_tp.unshard(grads))}
+  grads = logical_arrays(grads)
   assert set(grads) == set(ref_grads)
   for name, g in ref_grads.items():
     np.testing.assert_allclose(grads[name], g, rtol=1e-4, atol=1e-5 * np.abs(g).max(),
@@ -200,8 +198,7 @@ def merged_reference_run(cfg, model, tokens):
   rule from its kernels' gradients (dA = s dK B^T, dB = s A^T dK)."""
   from models.reference import ReferenceTransformer, reference_loss
   ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
-  logical = {".".join(map(str, k)): np.asarray(v[...])
-             for k, v in nnx.to_flat_state(flax_tp.unshard(nnx.state(model, nnx.Param)))}
+  logical = logical_arrays(nnx.state(model, nnx.Param))
   scaling = model.lora.scaling
   flat = dict(nnx.to_flat_state(nnx.state(ref, nnx.Param)))
   for path in model.lora_targets:
@@ -248,8 +245,7 @@ def test_transformer_trains_its_adapters_alone(meshes, mesh_spec, options):
   placed = jax.device_put(tokens, trainer.batch_sharding)
   loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, placed)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  grads = {".".join(map(str, k)): np.asarray(v[...])
-           for k, v in nnx.to_flat_state(flax_tp.unshard(grads))}
+  grads = logical_arrays(grads)
   assert set(grads) == set(ref_grads)
   for name, g in ref_grads.items():
     np.testing.assert_allclose(grads[name], g, rtol=1e-3, atol=2e-5 * np.abs(g).max(),
@@ -339,8 +335,7 @@ def test_a_parallelized_model_takes_adapters_and_trains_them_alone(meshes, mesh_
                              atol=1e-5)
   grads = jax.jit(nnx.grad(lambda m: loss(m(x)), argnums=nnx.DiffState(0, nnx.LoRAParam)))(model)
   ref = jax.grad(lambda p: loss(plain_mlp(p, x)))(p)
-  flat = {".".join(map(str, k)): np.asarray(v[...])
-          for k, v in nnx.to_flat_state(flax_tp.unshard(grads))}
+  flat = logical_arrays(grads)
   assert set(flat) == {k for k in ref if "lora" in k}
   for name, g in flat.items():
     np.testing.assert_allclose(g, ref[name], rtol=1e-4, atol=1e-5 * np.abs(ref[name]).max(),

@@ -18,6 +18,7 @@ from models.execution import Execution
 from models.generate import generate
 from models.hf import load_hf, save_hf
 from models.peft import PeftError, load_peft_adapter, merged, read_adapter, save_peft_adapter
+from tests.helpers import logical_arrays
 from train.step import Trainer, make_optimizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -70,8 +71,7 @@ def test_a_peft_adapter_gives_peft_logits_gradients_and_generation(meshes, peft_
   np.testing.assert_allclose(ours_loss, loss, rtol=1e-5)
   from models.peft import module_names
   names = module_names(model.cfg)
-  ours = {".".join(map(str, k)): np.asarray(v[...])
-          for k, v in nnx.to_flat_state(flax_tp.unshard(ours))}
+  ours = logical_arrays(ours)
   assert len(ours) == len(grads)
   for target in model.lora_targets:
     for part, name in (("A", "lora_a"), ("B", "lora_b")):
@@ -107,10 +107,8 @@ def test_flax_tp_adapters_read_in_peft_and_merge_for_transformers(tmp_path, mesh
     np.testing.assert_allclose(alone(torch.as_tensor(IDS)).logits.numpy(), ours, rtol=1e-5,
                                atol=1e-5)
   again = load_peft_adapter(BASE, tmp_path / "adapter", meshes["1x3"])
-  want = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(
-      flax_tp.unshard(nnx.state(model, nnx.LoRAParam)))}
-  got = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(
-      flax_tp.unshard(nnx.state(again, nnx.LoRAParam)))}
+  want = logical_arrays(nnx.state(model, nnx.LoRAParam))
+  got = logical_arrays(nnx.state(again, nnx.LoRAParam))
   assert set(got) == set(want)
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
