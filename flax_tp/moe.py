@@ -182,11 +182,38 @@ def grouped_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Arra
 
 DROP_POLICIES = ("probs", "position")
 
+# The "probs" policy ranks an expert's choices by routing weight on this grid, then by
+# position. Weights equal in exact arithmetic (the same token after the same prefix in
+# two rows, as in indented code) come out one or two ulps apart, and which one is larger
+# depends on how a mesh tiles the matmuls: ranked by the raw float the drops would follow
+# the mesh's rounding. On the grid they are one value and the earlier token wins, on every
+# mesh. Weights a grid step or more apart rank as before; two weights that straddle a grid
+# line by an ulp still rank as the rounding says (about 1 in 1e4 ties), like top-k itself.
+PROBS_RANK_GRID = 2.0 ** -10
+
+
+def rank_weight(weights: Array) -> Array:
+  """The routing weights as the ``"probs"`` drop policy ranks them: float32, rounded to
+  the nearest multiple of ``PROBS_RANK_GRID``."""
+  return jnp.round(weights.astype(jnp.float32) / PROBS_RANK_GRID)
+
 
 def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
   """Choices each expert takes under a capacity ``factor`` (Megatron's and GShard's):
-  ``ceil(factor * tokens * top_k / num_experts)``, at least one."""
-  return max(1, math.ceil(factor * tokens * top_k / num_experts))
+  ``ceil(factor * tokens * top_k / num_experts)``, at least one, and at most ``tokens``:
+  a token picks an expert at most once, so no expert can be sent more than every token
+  (a larger factor is dropless, and costs no more memory than that)."""
+  if tokens < 1:
+    return 1
+  per_token = factor * top_k / num_experts  # float: a huge factor overflows no int
+  if per_token >= 1:
+    return tokens
+  return max(1, min(tokens, math.ceil(per_token * tokens)))
+
+
+def capacity_is_capped(tokens: int, top_k: int, num_experts: int, factor: float) -> bool:
+  """Whether ``factor`` asks for more than every token (``expert_capacity`` caps it)."""
+  return factor * top_k / num_experts * tokens > tokens
 
 
 def capacity_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Array,
@@ -195,7 +222,8 @@ def capacity_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Arr
   """``grouped_swiglu`` with each local expert taking at most ``capacity`` choices.
 
   Each expert keeps, of the choices sent to it, those with the largest routing weight
-  (``policy="probs"``, Megatron's default) or those of the earliest tokens
+  (``policy="probs"``, Megatron's default; weights on the grid of ``rank_weight``, so that
+  a mesh's rounding cannot reorder equal ones) or those of the earliest tokens
   (``"position"``, GShard's), ties going to the earlier token; the rest are dropped:
   they add nothing to their token's output, which the residual carries (no
   renormalisation of the kept weights). The kept choices are laid out ``[E_local,
@@ -208,7 +236,7 @@ def capacity_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Arr
   flat, w = slots.reshape(-1), weights.reshape(-1)
   index = jnp.arange(n * k)
   if policy == "probs":  # by expert, then by weight (largest first), then by position
-    order = jnp.lexsort((index, -w.astype(jnp.float32), flat))
+    order = jnp.lexsort((index, -rank_weight(w), flat))
   else:
     order = jnp.argsort(flat, stable=True)
   sorted_slots = flat[order]
@@ -270,12 +298,14 @@ class MoE(ParallelModule):
                        f"{dict(mesh.shape)} has no such axis (use flax_tp.make_mesh)")
     for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts),
                         ("top_k", top_k)):
-      if not isinstance(value, (int, np.integer)) or value < 1:
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if top_k > num_experts:
       raise ValueError(f"top_k {top_k} is more than num_experts {num_experts}")
-    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
-                                            and 0 < capacity_factor < math.inf):
+    if capacity_factor is not None and not (
+        isinstance(capacity_factor, (int, float, np.integer, np.floating))
+        and not isinstance(capacity_factor, (bool, np.bool_))
+        and 0 < capacity_factor < math.inf):
       raise ValueError(f"capacity_factor must be a number > 0 or None (dropless), got "
                        f"{capacity_factor!r}")
     if drop_policy not in DROP_POLICIES:
@@ -457,6 +487,12 @@ class MoE(ParallelModule):
       return self._local(x, seq, dropless)
     if seq is not None:
       raise ValueError("MoE(seq=...) is for a call inside a shard_map (sequence parallelism)")
+    if math.prod(x.shape[:-1]) == 0:  # no tokens: an empty output, as nnx.Linear gives
+      dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
+      zero = jnp.zeros((), jnp.float32)
+      return (jnp.zeros(x.shape, dtype),
+              RouterStats(jnp.zeros((self.num_experts,), jnp.float32),
+                          jnp.zeros((self.num_experts,), jnp.float32), zero, zero, zero))
     stats_sharding = RouterStats(*(NamedSharding(self.mesh, P()),) * len(RouterStats._fields))
     run = lambda x: self._call_standalone(x, dropless)
     if self.mesh.axis_types[0] != AxisType.Explicit:

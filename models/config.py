@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.norms import OffsetRMSNorm
@@ -186,7 +187,9 @@ class TransformerConfig:
     if self.router_aux_loss_coef < 0:
       raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
     factor = self.expert_capacity_factor
-    if factor is not None and not (isinstance(factor, (int, float)) and 0 < factor < math.inf):
+    if factor is not None and not (
+        isinstance(factor, (int, float, np.integer, np.floating))
+        and not isinstance(factor, (bool, np.bool_)) and 0 < factor < math.inf):
       raise ValueError(f"expert_capacity_factor must be a number > 0 or None (dropless), got "
                        f"{factor!r}")
     if self.expert_drop_policy not in DROP_POLICIES:

@@ -117,9 +117,11 @@ class LoopMoE(nnx.Module):
 def capacity_kept(experts, weights, capacity: int, policy: str):
   """``[t, k]`` bool: the choices (``experts, weights [t, k]``) their experts keep when
   each takes at most ``capacity``: a choice is kept when fewer than ``capacity`` choices
-  of its expert come before it, by weight (largest first, ``"probs"``) then position,
+  of its expert come before it, by weight (largest first on ``flax_tp.moe``'s
+  ``rank_weight`` grid, ``"probs"``) then position,
   or by position alone (``"position"``). Written as pairwise comparisons."""
-  e, w = experts.reshape(-1), weights.reshape(-1).astype(jnp.float32)
+  from flax_tp.moe import rank_weight  # the drop policy's definition of "larger"
+  e, w = experts.reshape(-1), rank_weight(weights.reshape(-1))
   at = jnp.arange(e.shape[0])
   earlier = at[None, :] < at[:, None]  # [c, c']: c' comes before c
   if policy == "probs":

@@ -388,6 +388,109 @@ def test_bad_moe_configs_are_refused_by_name():
     TransformerConfig.preset("moe-tiny", experts_per_token=7)
   with pytest.raises(ValueError, match="mlp must be 'swiglu', got 'gelu'"):
     TransformerConfig.preset("moe-tiny", mlp="gelu")
+  # True is an int to Python, but no capacity; numpy's numbers are numbers.
+  with pytest.raises(ValueError, match="expert_capacity_factor must be a number > 0 or None"):
+    TransformerConfig.preset("moe-tiny", expert_capacity_factor=True)
+  assert TransformerConfig.preset("moe-tiny", expert_capacity_factor=np.float32(1.5))
+  mesh = flax_tp.make_mesh("1x1")
+  with pytest.raises(ValueError, match="capacity_factor must be a number > 0 or None"):
+    MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=mesh, capacity_factor=True, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="top_k must be a positive integer, got True"):
+    MoE(D_MODEL, D_FF, EXPERTS, True, mesh=mesh, rngs=nnx.Rngs(0))
+  MoE(D_MODEL, D_FF, EXPERTS, np.int64(2), mesh=mesh, capacity_factor=np.float64(1.0),
+      rngs=nnx.Rngs(0))
+
+
+def test_probs_policy_ranks_weights_an_ulp_apart_by_position():
+  """Weights equal in exact arithmetic come out an ulp or two apart, and which is larger
+  depends on the mesh's rounding: the ``probs`` policy ranks them as equal (on the
+  ``rank_weight`` grid), so the earliest token keeps its place; a weight a grid step
+  larger still wins. The reference's pairwise ranking says the same."""
+  from flax_tp.moe import PROBS_RANK_GRID, capacity_swiglu
+  from models.reference import capacity_kept
+  w0 = np.float32(0.3)
+  ulp = np.spacing(w0)
+  weights = np.array([[w0], [w0 + ulp], [w0 + 2 * ulp], [w0 - ulp],
+                      [w0 + 2 * np.float32(PROBS_RANK_GRID)]], np.float32)
+  experts = np.zeros((5, 1), np.int32)
+  kept = np.asarray(capacity_kept(jnp.asarray(experts), jnp.asarray(weights), 2, "probs"))
+  np.testing.assert_array_equal(kept[:, 0], [True, False, False, False, True])
+  x = jax.random.normal(jax.random.key(0), (5, D_MODEL))
+  ws = [jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(
+      [(1, D_MODEL, D_FF), (1, D_MODEL, D_FF), (1, D_FF, D_MODEL)], start=1)]
+  y, dropped = capacity_swiglu(x, jnp.asarray(experts), jnp.asarray(weights), *ws, 2, "probs")
+  assert float(dropped) == 3
+  rows_kept = np.abs(np.asarray(y)).max(axis=1) > 0
+  np.testing.assert_array_equal(rows_kept, [True, False, False, False, True])
+
+
+@pytest.fixture(scope="module")
+def indented_code_step():
+  """One step of moe-tiny with capacity factor 1 (the ``probs`` policy) on rows that all
+  start with eight spaces, as indented code does: the same token after the same prefix
+  in every row, so many routing weights tie exactly. -> (step on a mesh -> (loss,
+  dropped choices, expert loads))."""
+  from models.config import TransformerConfig
+  from models.transformer import Transformer
+  from train.step import Trainer, make_optimizer
+  cfg = TransformerConfig.preset("moe-tiny", expert_capacity_factor=1.0)
+  lines = [b"        return x + y  #", b"        if a:\n            b",
+           b"        for i in range(3):", b"        x = foo(bar)", b"        pass\n        pass",
+           b"        def f(self):", b"        y = [1, 2, 3]", b"        # comment here"]
+  rows = np.stack([np.frombuffer(line.ljust(17)[:17], np.uint8) for line in lines])
+
+  done = {}
+
+  def step(mesh):
+    if mesh in done:
+      return done[mesh]
+    trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)),
+                      make_optimizer(lr=1e-3, steps=1))
+    placed = jax.device_put(rows.astype(np.int32), trainer.batch_sharding)
+    _, _, out = trainer.train_step(trainer.params, trainer.init_opt_state(trainer.params),
+                                   placed, None)
+    done[mesh] = (float(out["loss"]), round(float(out["expert_dropped"]) * 8 * 17 * 2 * 2),
+                  np.asarray(out["expert_load"]))
+    return done[mesh]
+
+  return step
+
+
+@pytest.mark.parametrize("mesh_spec", ["1x8", pytest.param("2x4", marks=pytest.mark.slow),
+                                       pytest.param("4x2", marks=pytest.mark.slow),
+                                       pytest.param("8x1", marks=pytest.mark.slow)])
+def test_probs_drops_do_not_depend_on_the_mesh(meshes, indented_code_step, mesh_spec):
+  """The README's promise for the ``probs`` policy: the same choices dropped on every
+  mesh, so the same loss (before the grid, 1x8 dropped 294 choices where 1x1 dropped 278,
+  and the losses differed by 4e-3)."""
+  loss, dropped, load = indented_code_step(meshes[mesh_spec])
+  ref_loss, ref_dropped, ref_load = indented_code_step(meshes["1x1"])
+  assert ref_dropped > 100  # the capacity binds: ties are decided
+  assert dropped == ref_dropped
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  np.testing.assert_allclose(load, ref_load, rtol=1e-6)  # equal counts, over equal tokens
+
+
+def test_a_huge_capacity_factor_is_capped_at_every_token(meshes):
+  """An expert is never sent more than every token (each picks it at most once): any
+  finite factor runs, with a capacity of the dispatch's tokens, and drops nothing: the
+  output equals the dropless MoE's. An empty batch gives an empty output."""
+  from flax_tp.moe import capacity_is_capped, expert_capacity
+  assert expert_capacity(TOKENS, TOP_K, EXPERTS, 1e4) == TOKENS
+  assert expert_capacity(TOKENS, TOP_K, EXPERTS, 1e300) == TOKENS
+  assert expert_capacity(TOKENS, TOP_K, EXPERTS, 1.0) == 8
+  assert capacity_is_capped(TOKENS, TOP_K, EXPERTS, 1e9)
+  assert not capacity_is_capped(TOKENS, TOP_K, EXPERTS, 3.0)
+  mesh = meshes["2x4"]
+  x = make_inputs()
+  dropless = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=mesh, rngs=nnx.Rngs(0))
+  huge = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=mesh, capacity_factor=1e300,
+             rngs=nnx.Rngs(0))
+  y, stats = huge(x)
+  np.testing.assert_allclose(y, dropless(x)[0], rtol=1e-5, atol=1e-6)
+  assert float(stats.dropped) == 0
+  empty, stats = huge(jnp.zeros((0, 3, D_MODEL)))
+  assert empty.shape == (0, 3, D_MODEL) and float(stats.tokens) == 0
 
 
 @pytest.mark.parametrize("mesh_spec,options", [
