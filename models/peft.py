@@ -18,7 +18,9 @@ target is refused naming it.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -98,37 +100,108 @@ def save_peft_adapter(model: Transformer, path: str | Path, *,
   return modules
 
 
-# What a PEFT LoRA config may say, and still mean the plain LoRA flax_tp computes.
+# A PEFT LoRA config, field by field, by what it means. Each field that changes what an
+# adapter computes or which layers it adapts must hold a value meaning plain LoRA (the
+# first one listed is named in the refusal); r, lora_alpha, use_rslora, lora_dropout and
+# target_modules are read below. The rest say where the adapter came from or how it was
+# first drawn, which the saved tensors make moot. A field not known here (a later peft's)
+# is refused: it could change what the adapter computes, and reading it as plain LoRA
+# would be silently wrong.
 _PLAIN = {"bias": ("none",), "use_dora": (False, None), "fan_in_fan_out": (False, None),
           "modules_to_save": (None, []), "rank_pattern": ({}, None),
-          "alpha_pattern": ({}, None), "layers_to_transform": (None,),
+          "alpha_pattern": ({}, None), "layers_to_transform": (None, []),
           "layers_pattern": (None, [], ""), "lora_bias": (False, None),
-          "use_qalora": (False, None), "trainable_token_indices": (None,),
-          "target_parameters": (None, [])}
+          "use_qalora": (False, None), "trainable_token_indices": (None, {}, []),
+          "target_parameters": (None, []), "exclude_modules": (None, [], ""),
+          "alora_invocation_tokens": (None, []), "layer_replication": (None, []),
+          "megatron_config": (None, {}), "loftq_config": ({}, None),
+          "eva_config": (None, {}), "corda_config": (None, {}), "lora_ga_config": (None, {}),
+          "velora_config": (None, {}), "monteclora_config": (None, {}),
+          "arrow_config": (None, {}), "kasa_config": (None, {}), "use_bdlora": (None, False),
+          "ensure_weight_tying": (False, None),
+          # PiSSA, OLoRA, CorDA, LoftQ... change the base weights too, not only the draws.
+          "init_lora_weights": (True, False, "gaussian", None)}
+_READ = ("peft_type", "r", "lora_alpha", "use_rslora", "lora_dropout", "target_modules")
+_INFORMATIONAL = ("task_type", "auto_mapping", "peft_version", "base_model_name_or_path",
+                  "revision", "inference_mode", "runtime_config", "megatron_core",
+                  "qalora_group_size")
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+  """``adapter_config.json`` as a dict, every field checked to mean plain LoRA."""
+  try:
+    config = json.loads((directory / CONFIG).read_text(encoding="utf-8"))
+  except (ValueError, OSError) as err:
+    raise PeftError(f"{CONFIG} is not readable JSON: {err}") from None
+  if not isinstance(config, dict):
+    raise PeftError(f"{CONFIG} holds a JSON {type(config).__name__}, not an object")
+  if config.get("peft_type") != "LORA":
+    raise PeftError(f"{CONFIG}: peft_type {config.get('peft_type')!r}; flax_tp reads LORA")
+  unknown = sorted(set(config) - set(_PLAIN) - set(_READ) - set(_INFORMATIONAL))
+  if unknown:
+    raise PeftError(f"{CONFIG}: field {unknown[0]!r} is not one flax_tp knows; it may change "
+                    "what the adapter computes, so it is not read as plain LoRA")
+  for key, allowed in _PLAIN.items():
+    # (True == 1 in Python: a value is plain only as the same type too.)
+    if key in config and not any(config[key] == a and type(config[key]) is type(a)
+                                 for a in allowed):
+      raise PeftError(f"{CONFIG}: {key} {config[key]!r} is not plain LoRA (flax_tp reads "
+                      f"{allowed[0]!r})")
+  for key in ("r", "lora_alpha"):
+    if key not in config:
+      raise PeftError(f"{CONFIG} has no {key!r}")
+  rank, alpha = config["r"], config["lora_alpha"]
+  if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
+    raise PeftError(f"{CONFIG}: r {rank!r} is not a positive integer")
+  if not (_is_number(alpha) and math.isfinite(alpha) and alpha > 0):
+    raise PeftError(f"{CONFIG}: lora_alpha {alpha!r} is not a positive number")
+  if not isinstance(config.get("use_rslora", False), bool):
+    raise PeftError(f"{CONFIG}: use_rslora {config['use_rslora']!r} is not true or false")
+  dropout = config.get("lora_dropout") or 0.0
+  if not _is_number(dropout) or dropout != 0.0:
+    raise PeftError(f"{CONFIG}: lora_dropout {config['lora_dropout']!r}; flax_tp's adapters "
+                    "have no dropout (use 0)")
+  targets = config.get("target_modules")
+  if not (isinstance(targets, str) or (isinstance(targets, list) and targets
+                                       and all(isinstance(t, str) for t in targets))):
+    raise PeftError(f"{CONFIG}: target_modules {targets!r} is not a module name pattern or a "
+                    "list of module names")
+  return config
+
+
+def _targeted(targets: str | list[str], module: str, adaptable: set[str]) -> bool:
+  """Whether peft adapts the HF module ``module`` under ``target_modules`` (its
+  ``check_target_module_exists``: a string is a full regex match, or ``"all-linear"``; a
+  list names modules whole or by their last parts)."""
+  if targets == "all-linear":
+    return module in adaptable
+  if isinstance(targets, str):
+    return re.fullmatch(targets, module) is not None
+  return module in targets or any(module.endswith(f".{t}") for t in targets)
 
 
 def read_adapter(path: str | Path, cfg: Any) -> tuple[LoRAConfig, dict[str, tuple]]:
   """``(the LoRAConfig, {flax_tp layer path: (lora_a [in, r], lora_b [r, out])})`` of a
   PEFT LoRA folder, for a base of config ``cfg``. ``PeftError`` names what is not plain
-  LoRA, a tensor that adapts no layer of ``cfg``, or a misshapen one."""
+  LoRA, a tensor that adapts no layer of ``cfg`` or one its config does not target (peft
+  would ignore it), a targeted layer the file holds no adapter for, or a misshapen one."""
+  from safetensors import SafetensorError
   from safetensors.numpy import load_file
   directory = Path(path)
   if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
     raise PeftError(f"{str(directory)!r} is not a PEFT adapter folder (needs {CONFIG} and "
                     f"{WEIGHTS})")
-  config = json.loads((directory / CONFIG).read_text(encoding="utf-8"))
-  if config.get("peft_type") != "LORA":
-    raise PeftError(f"{CONFIG}: peft_type {config.get('peft_type')!r}; flax_tp reads LORA")
-  for key, allowed in _PLAIN.items():
-    if key in config and config[key] not in allowed:
-      raise PeftError(f"{CONFIG}: {key} {config[key]!r} is not plain LoRA (flax_tp reads "
-                      f"{allowed[0]!r})")
-  if float(config.get("lora_dropout") or 0.0) != 0.0:
-    raise PeftError(f"{CONFIG}: lora_dropout {config['lora_dropout']!r}; flax_tp's adapters "
-                    "have no dropout (use 0)")
-  rank, alpha = int(config["r"]), float(config["lora_alpha"])
+  config = _read_config(directory)
+  rank, alpha, targets = config["r"], float(config["lora_alpha"]), config["target_modules"]
   by_module = {module: path for path, module in module_names(cfg).items()}
-  tensors = load_file(str(directory / WEIGHTS))
+  try:
+    tensors = load_file(str(directory / WEIGHTS))
+  except (SafetensorError, OSError, ValueError) as err:
+    raise PeftError(f"{WEIGHTS} cannot be read as safetensors: {err}") from None
   found: dict[str, dict[str, np.ndarray]] = {}
   for key, value in tensors.items():
     module, _, part = key.removeprefix(PREFIX).rpartition(".lora_")
@@ -136,9 +209,19 @@ def read_adapter(path: str | Path, cfg: Any) -> tuple[LoRAConfig, dict[str, tupl
         module not in by_module):
       raise PeftError(f"{WEIGHTS}: tensor {key!r} adapts no layer of this "
                       f"{cfg.family or 'llama/qwen2'} model")
-    found.setdefault(by_module[module], {})[part[0]] = value
+    if not _targeted(targets, module, set(by_module)):
+      raise PeftError(f"{WEIGHTS}: tensor {key!r} adapts {module}, which {CONFIG}'s "
+                      f"target_modules {targets!r} does not reach (peft would ignore it)")
+    found.setdefault(module, {})[part[0]] = value
+  every_module = {t.name.rpartition(".")[0] for t in tensor_names(cfg)}
+  missing = sorted(m for m in every_module if m not in found
+                   and _targeted(targets, m, set(by_module)))
+  if missing:
+    raise PeftError(f"{CONFIG}: target_modules {targets!r} reaches {missing[0]}, for which "
+                    f"{WEIGHTS} holds no adapter (peft would draw one)")
   adapters = {}
-  for target, parts in found.items():
+  for module, parts in found.items():
+    target = by_module[module]
     if set(parts) != {"A", "B"}:
       raise PeftError(f"{WEIGHTS}: layer {target} has lora_{''.join(parts)} but not both")
     a, b = parts["A"].T, parts["B"].T  # [in, r], [r, out]

@@ -139,6 +139,65 @@ def test_what_is_not_plain_lora_is_refused_by_name(tmp_path, peft_made):
     read_adapter(folder, cfg)
 
 
+def test_a_config_is_read_by_what_it_means(tmp_path, peft_made):
+  """Every field that changes what peft computes or which layers it adapts is refused by
+  name unless plain (aLoRA, excluded modules, layer replication, a fractional r, a field
+  flax_tp does not know, PiSSA's init); target_modules is honoured as peft matches it:
+  tensors it does not reach (peft ignores them) and layers it reaches with no tensors
+  (peft draws them) are refused, a regex reaching exactly the tensors' layers reads as the
+  list does. A config that is no object or lacks r or lora_alpha, and a weights file cut
+  short, empty or garbage, are PeftErrors naming the file."""
+  import json
+  import shutil
+
+  from models.hf import read_config
+  cfg = read_config(BASE)
+  folder = tmp_path / "a"
+  shutil.copytree(peft_made[0], folder)
+  path = folder / "adapter_config.json"
+  config = json.loads(path.read_text())
+  _, plain = read_adapter(folder, cfg)
+
+  def refused(changes, message, drop=()):
+    edited = {k: v for k, v in {**config, **changes}.items() if k not in drop}
+    path.write_text(json.dumps(edited))
+    with pytest.raises(PeftError, match=message):
+      read_adapter(folder, cfg)
+
+  refused({"alora_invocation_tokens": [1, 2]}, "alora_invocation_tokens \\[1, 2\\] is not plain")
+  refused({"exclude_modules": ["model.layers.0.self_attn.q_proj"]}, "exclude_modules")
+  refused({"layer_replication": [[0, 1]]}, "layer_replication")
+  refused({"r": 4.7}, "r 4.7 is not a positive integer")
+  refused({"r": True}, "r True is not a positive integer")
+  refused({"lora_alpha": "7"}, "lora_alpha '7' is not a positive number")
+  refused({"use_dora": 0}, "use_dora 0 is not plain")  # 0 == False, but not a bool
+  refused({"init_lora_weights": "pissa"}, "init_lora_weights 'pissa'")
+  refused({"a_later_peft_field": 1}, "field 'a_later_peft_field' is not one flax_tp knows")
+  refused({"target_modules": ["q_proj", "v_proj"]},
+          "mlp.down_proj.lora_[AB].weight' adapts model.layers.[01].mlp.down_proj, which")
+  refused({"target_modules": ["q_proj", "v_proj", "down_proj", "k_proj"]},
+          "reaches model.layers.0.self_attn.k_proj, for which")
+  refused({"target_modules": "all-linear"}, "reaches model.layers.0.mlp.gate_proj")
+  refused({}, "has no 'r'", drop=("r",))
+  refused({}, "has no 'lora_alpha'", drop=("lora_alpha",))
+  path.write_text(json.dumps([config]))
+  with pytest.raises(PeftError, match="holds a JSON list, not an object"):
+    read_adapter(folder, cfg)
+  path.write_text(json.dumps({**config, "target_modules": r".*\.(q_proj|v_proj|down_proj)"}))
+  _, by_regex = read_adapter(folder, cfg)
+  assert set(by_regex) == set(plain)
+  for target, (a, b) in plain.items():
+    np.testing.assert_array_equal(by_regex[target][0], a)
+    np.testing.assert_array_equal(by_regex[target][1], b)
+  path.write_text(json.dumps(config))
+  weights = folder / "adapter_model.safetensors"
+  whole = weights.read_bytes()
+  for broken in (whole[:len(whole) // 2], b"", b"not safetensors at all"):
+    weights.write_bytes(broken)
+    with pytest.raises(PeftError, match="adapter_model.safetensors cannot be read"):
+      read_adapter(folder, cfg)
+
+
 @pytest.mark.slow
 def test_a_new_user_fine_tunes_with_lora_resumes_exports_and_peft_reads_it(tmp_path, capsys):
   """README's path: ``train/run.py --init-from`` a Qwen2 folder with LoRA on 2x4 (FSDP and
