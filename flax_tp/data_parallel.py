@@ -206,7 +206,7 @@ def _is_var(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def gather_for_step(params: nnx.State) -> nnx.State:
+def gather_for_step(params: nnx.State, *, per_replica: bool = True) -> nnx.State:
   """Inside a ``shard_map`` over ``("data", "model")``: each param as the layers use it.
 
   A param split over ``"data"`` is all-gathered over it (tiled, on its FSDP dim) under
@@ -215,11 +215,13 @@ def gather_for_step(params: nnx.State) -> nnx.State:
   are left split: the block runner gathers them block by block (``gather_block``), so
   one block's params are whole at a time. Every other param is marked per-replica
   (``copy_to_parallel``): its gradient is all-reduced over ``"data"`` once.
+  ``per_replica=False`` (a batch replicated over ``"data"``, every shard computing the
+  same): those are left invariant, so what is computed from them is too.
   """
   def one(var: nnx.Variable) -> nnx.Variable:
     info = ParamInfo.of(var)
     if not info.over_data:
-      return var.replace(copy_to_parallel(var[...], DATA_AXIS))
+      return var.replace(copy_to_parallel(var[...], DATA_AXIS)) if per_replica else var
     if info.fsdp_per_block:
       return var
     return _gathered(var)

@@ -24,7 +24,8 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import flax_tp
-from flax_tp.data_parallel import gather_for_step, global_rows
+from flax_tp.collectives import is_varying
+from flax_tp.data_parallel import gather_for_step, global_rows, whole_over_data
 from flax_tp.params import place_on_mesh
 from flax_tp.remat import run_blocks
 from flax_tp.sequence import SequenceSplit
@@ -274,7 +275,10 @@ class Transformer(nnx.Module):
         raise ValueError("return_router_stats is for a call inside the step's shard_map")
       return self._standalone(tokens_bs, dropout_key)
     cfg = self.cfg
-    rows = global_rows(tokens_bs.shape[0])
+    # Each row's global number (dropout's key), or for a batch replicated over "data"
+    # its own row number on every shard.
+    rows = (global_rows(tokens_bs.shape[0]) if is_varying(tokens_bs, flax_tp.DATA_AXIS)
+            else jnp.arange(tokens_bs.shape[0]))
     seq = None
     if self.execution.sequence_parallel:
       seq = SequenceSplit.of(tokens_bs.shape[1], self.mesh.shape[flax_tp.MODEL_AXIS])
@@ -360,28 +364,33 @@ class Transformer(nnx.Module):
 
   def _standalone(self, tokens_bs, dropout_key):
     graphdef, state = nnx.split(self)
-    data = self.mesh.shape[flax_tp.DATA_AXIS]
-    if tokens_bs.shape[0] % data:
-      raise ValueError(f"batch {tokens_bs.shape[0]} is not divisible by the {data}-way "
-                       f"data axis of the mesh")
-    return _standalone_logits(graphdef, self.mesh, self.vocab_layout, state, tokens_bs,
-                              dropout_key)
+    # A batch the data axis divides is split over it; any other (one prompt on the
+    # training mesh) runs whole on every data shard, as the layers run such a batch.
+    # (With FSDP, such a call first gathers the params whole over "data": a shard's
+    # share of one batch row cannot be computed from a shard's share of the params.)
+    split = tokens_bs.shape[0] % self.mesh.shape[flax_tp.DATA_AXIS] == 0
+    if not split:
+      state = whole_over_data(state)
+    return _standalone_logits(graphdef, self.mesh, self.vocab_layout, split, state,
+                              tokens_bs, dropout_key)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _standalone_logits(graphdef, mesh: Mesh, vocab_layout: flax_tp.ShardLayout, state,
-                       tokens_bs, dropout_key):
-  """A model called outside any map: logits ``[b, s, vocab]`` (split over the vocabulary).
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _standalone_logits(graphdef, mesh: Mesh, vocab_layout: flax_tp.ShardLayout, split: bool,
+                       state, tokens_bs, dropout_key):
+  """A model called outside any map: logits ``[b, s, vocab]`` (split over the vocabulary),
+  the batch split over "data" when ``split``, else replicated over it.
 
   One compiled program per model graph and mesh (eagerly, ``shard_map`` would run the
   model op by op: 30 s for the tiny preset); inside a caller's ``jit`` it is inlined.
   The step's gathering: FSDP params are gathered over "data" as the step gathers them
   (the blocks' inside each block); without FSDP nothing changes.
   """
+  rows = flax_tp.DATA_AXIS if split else None
   logits = jax.shard_map(
-      lambda s, t, k: nnx.merge(graphdef, gather_for_step(s))(
+      lambda s, t, k: nnx.merge(graphdef, gather_for_step(s, per_replica=split))(
           t, dropout_key=k), mesh=mesh,
-      in_specs=(nnx.get_partition_spec(state), P(flax_tp.DATA_AXIS), P()),
-      out_specs=P(flax_tp.DATA_AXIS, None, flax_tp.MODEL_AXIS),
+      in_specs=(nnx.get_partition_spec(state), P(rows), P()),
+      out_specs=P(rows, None, flax_tp.MODEL_AXIS),
   )(state, tokens_bs, dropout_key)
   return vocab_layout.unpad(logits, -1)

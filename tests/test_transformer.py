@@ -330,3 +330,36 @@ def test_scanned_train_step_does_not_grow_with_depth(meshes):
   scanned = lowered_step_lines(meshes, num_layers=2, scan_layers=True)
   assert lowered_step_lines(meshes, num_layers=5, scan_layers=True) == scanned
   assert lowered_step_lines(meshes, num_layers=5) > 2 * scanned
+
+
+@pytest.mark.parametrize("preset,mesh_spec,options,rows", [
+    ("moe-tiny", "2x4", {}, 1),
+    pytest.param("tiny", "4x2", {"fsdp": True, "scan_layers": True,
+                                 "sequence_parallel": True}, 3, marks=pytest.mark.slow),
+    pytest.param("moe-tiny", "8x1", {"fsdp": True}, 5, marks=pytest.mark.slow)])
+def test_a_batch_the_data_axis_does_not_divide_gives_the_reference_logits(
+    meshes, preset, mesh_spec, options, rows):
+  """One prompt on the training mesh: the model runs a batch its data axis does not
+  divide whole on every data shard (FSDP params gathered first), to the reference's
+  logits; a MoE with a capacity routes those rows alone, as on one device."""
+  cfg = TransformerConfig.preset(preset, **(
+      {"expert_capacity_factor": 1.0} if preset == "moe-tiny" else {}))
+  ids = jax.random.randint(jax.random.key(3), (rows, 9), 0, cfg.vocab_size)
+  model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0),
+                      execution=Execution(**options))
+  ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(jax.jit(ref)(ids)), rtol=1e-5,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["moe-tiny", "tiny"])
+def test_the_start_up_parameter_count_is_the_models_on_every_mesh(meshes, preset):
+  """Logical params (no padding of the FFN, the vocabulary or the experts), whatever the
+  mesh and FSDP: the reference's count."""
+  from train.setup import param_summary
+  cfg = TransformerConfig.preset(preset)
+  want = sum(x.size for x in jax.tree.leaves(nnx.state(
+      ReferenceTransformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)))
+  for spec, options in (("1x1", {}), ("4x2", {"fsdp": True}), ("1x8", {"scan_layers": True})):
+    model = Transformer(cfg, mesh=meshes[spec], rngs=nnx.Rngs(0), execution=Execution(**options))
+    assert param_summary(nnx.state(model, nnx.Param))["params"] == want, spec
