@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from flax_tp.linear import ColumnParallelDense, RowParallelDense, has_lora
@@ -103,11 +104,17 @@ class LoRAConfig:
   # no-op); False: B drawn as A is (torch Linear's default), so it changes the output
 
   def __post_init__(self):
-    if not isinstance(self.rank, int) or self.rank < 1:
+    # A bool is an int to Python, but True is no rank: refused, as numpy's ints are taken.
+    if (not isinstance(self.rank, (int, np.integer)) or isinstance(self.rank, (bool, np.bool_))
+        or self.rank < 1):
       raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
-    if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha)
+    if not (isinstance(self.alpha, (int, float, np.integer, np.floating))
+            and not isinstance(self.alpha, (bool, np.bool_)) and math.isfinite(self.alpha)
             and self.alpha > 0):
       raise ValueError(f"LoRA alpha must be a positive number, got {self.alpha!r}")
+    object.__setattr__(self, "rank", int(self.rank))  # JSON and shapes take Python's
+    if isinstance(self.alpha, (np.integer, np.floating)):
+      object.__setattr__(self, "alpha", self.alpha.item())
     if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
       raise ValueError(f"LoRA targets must be non-empty globs, got {self.targets!r}")
 
@@ -126,21 +133,32 @@ def add_adapters(model: nnx.Module, config: LoRAConfig) -> list[str]:
   """Adds ``config``'s adapter to each layer of ``model`` its targets match, in place,
   in path order (so the draws do not depend on the mesh). Returns their paths.
   ``ValueError`` naming a target that matches no layer."""
-  layers = dense_layers(model)
-  chosen = {}
-  for target in config.targets:
-    hits = [(path, layer) for path, layer in layers if fnmatch.fnmatchcase(path, target)]
-    if not hits:
-      raise ValueError(f"LoRA target {target!r} matches no column- or row-parallel layer; "
-                       f"the layers are {', '.join(p for p, _ in layers[:8])}"
-                       f"{', ...' if len(layers) > 8 else ''}")
-    chosen.update(hits)
+  chosen = _matching(dense_layers(model), config.targets)
   rngs = nnx.Rngs(config.seed)
   b_init = nnx.initializers.zeros_init() if config.init_weights else peft_a_init
   for _, layer in sorted(chosen.items(), key=lambda kv: _path_key(kv[0])):
     add_lora(layer, config.rank, config.alpha, rslora=config.rslora, rngs=rngs,
              b_init=b_init)
   return sorted(chosen, key=_path_key)
+
+
+def matching_layers(paths: list[str], targets: tuple[str, ...]) -> list[str]:
+  """Of the layer ``paths`` (dotted, as ``dense_layers`` gives them), those the globs
+  ``targets`` match, in path order: the layers ``add_adapters`` would adapt.
+  ``ValueError`` naming a glob that matches none."""
+  return sorted(_matching([(p, None) for p in paths], targets), key=_path_key)
+
+
+def _matching(layers: list[tuple[str, Any]], targets: tuple[str, ...]) -> dict[str, Any]:
+  chosen = {}
+  for target in targets:
+    hits = [(path, layer) for path, layer in layers if fnmatch.fnmatchcase(path, target)]
+    if not hits:
+      raise ValueError(f"LoRA target {target!r} matches no column- or row-parallel layer; "
+                       f"the layers are {', '.join(p for p, _ in layers[:8])}"
+                       f"{', ...' if len(layers) > 8 else ''}")
+    chosen.update(hits)
+  return chosen
 
 
 def _path_key(path: str) -> tuple:

@@ -261,13 +261,22 @@ def _gather_expert(experts: dict, path: tuple, var: nnx.Variable, layer: int | N
   return whole
 
 
+# The fields of a config.json that say how long a context the model is for. A run's
+# --seq-len sets the model's max_seq_len to what it trains on, which says nothing of the
+# model's context: an export of a model read from an HF folder keeps that folder's.
+CONTEXT_FIELDS = ("max_position_embeddings", "original_max_position_embeddings")
+
+
 def save_hf(model: Transformer, path: str | Path, *,
-            special_tokens: dict[str, int | list[int] | None] | None = None) -> None:
+            special_tokens: dict[str, int | list[int] | None] | None = None,
+            base_config: dict[str, Any] | None = None) -> None:
   """Writes ``config.json`` and ``model.safetensors`` (float32) that transformers loads,
   as the model's family (``models/families.py``) names them.
 
   special_tokens: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` to write into
   config.json (flax_tp's model does not carry them).
+  base_config: the config.json of the HF model this one was read from (a fine-tune's
+  base): its ``CONTEXT_FIELDS`` are kept rather than the training length.
 
   Each file is written beside its place and renamed over it, so an interrupted save
   leaves the folder's earlier files whole. A folder holding a sharded checkpoint
@@ -287,6 +296,9 @@ def save_hf(model: Transformer, path: str | Path, *,
     raise ValueError(f"special_tokens holds {wrong[0]!r}; expected bos_token_id, "
                      "eos_token_id or pad_token_id")
   hf_config.update(special_tokens or {})
+  for name in CONTEXT_FIELDS:
+    if name in hf_config and (base_config or {}).get(name) is not None:
+      hf_config[name] = base_config[name]
   directory = Path(path)
   if (directory / INDEX).exists():
     raise FileExistsError(f"refusing to save into {str(directory)!r}: it holds a sharded "

@@ -230,6 +230,9 @@ def test_no_blank_line_before_an_error_on_a_cold_cache(tmp_path, monkeypatch, ca
      "got -1"),
     (["--lora-rank", "4", "--lora-alpha", "nan"], "--lora-alpha must be a positive number"),
     (["--lora-targets", "blocks.*.attn.o"], "--lora-targets needs --lora-rank"),
+    (["--lora-rank", "4", "--lora-targets", ""], "--lora-targets '' names no layer"),
+    (["--lora-rank", "4", "--lora-targets", " , "], "--lora-targets ' , ' names no layer"),
+    (["--router-z-loss", "0.1"], "--router-z-loss 0.1 is for a model with experts"),
     (["--lora-rank", "4", "--lora-targets", "no.such"], "--lora-targets: LoRA target "
      "'no.such' matches no column- or row-parallel layer"),
     (["--steps", "99999999999"], "--steps must be an integer in [1, 2147483647]"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -53,41 +54,80 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+# What an export writes, and what must not be in the folder beside it: a model folder
+# holding an adapter is read by transformers as base plus adapter, and a folder holding a
+# model that gets an adapter becomes that too, so neither kind goes where the other is.
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
 def run(args: argparse.Namespace) -> int:
   import flax_tp
-  from models.hf import save_hf
   from train.generate import load_from_checkpoint
   try:
     mesh = flax_tp.make_mesh(args.mesh)
   except ValueError as err:
     raise UsageError(str(err)) from None
+  record = _run_record(Path(args.checkpoint), args.step)
+  source = Path(record["init_from"]) if record.get("init_from") else None
+  adapter = bool(record.get("lora")) and not args.merge
+  if args.merge and not record.get("lora"):
+    raise UsageError(f"--merge: the run in {args.checkpoint!r} has no LoRA adapters")
+  copied = [n for n in TOKENIZER_FILES if source is not None and (source / n).is_file()]
+  out = Path(args.out)
+  check_out(args.out, ADAPTER_FILES if adapter else MODEL_FILES + tuple(copied))
   args.dtype = None  # the checkpoint's own
   model, _, _ = load_from_checkpoint(args, mesh)
-  source = _init_from(Path(args.checkpoint), args.step)
-  if model.lora is not None and not args.merge:
-    return _export_adapter(model, Path(args.out), source)
+  if adapter:
+    return _export_adapter(model, out, source)
   if args.merge:
-    if model.lora is None:
-      raise UsageError(f"--merge: the run in {args.checkpoint!r} has no LoRA adapters")
     from models.peft import merged
     model = merged(model)
-  special = {}
+  return _export_model(model, out, source, copied)
+
+
+def check_out(flag_value: str, writes: tuple[str, ...]) -> None:
+  """Refuses (``UsageError``, one line) an ``--out`` that cannot be written, or that holds
+  a file the export would write or a model or adapter it would mix with: nothing of a
+  user's is replaced, and no folder ends up holding two models."""
+  out = Path(flag_value)
+  if out.is_symlink() and not out.exists():
+    raise UsageError(f"--out {flag_value!r} is a symbolic link to {os.readlink(out)!r}, "
+                     "which does not exist")
+  if out.exists() and not out.is_dir():
+    raise UsageError(f"--out {flag_value!r} is a file, not a folder")
+  if out.is_dir():
+    held = [n for n in dict.fromkeys(writes + MODEL_FILES + ADAPTER_FILES)
+            if os.path.lexists(out / n)]
+    if held:
+      what = ("an adapter" if set(held) <= set(ADAPTER_FILES) else
+              "a model" if set(held) & set(MODEL_FILES) else "files")
+      raise UsageError(f"--out {flag_value!r} already holds {what} ({', '.join(held)}) that "
+                       "this export would write or mix with; choose a new or empty folder")
+  ancestor = out
+  while not ancestor.exists():  # the folder is made on writing: its nearest existing parent
+    ancestor = ancestor.parent
+  if not ancestor.is_dir():
+    raise UsageError(f"--out {flag_value!r} cannot be made: {str(ancestor)!r} is a file")
+  if not os.access(ancestor, os.W_OK | os.X_OK):
+    raise UsageError(f"--out {flag_value!r} cannot be written: {str(ancestor)!r} is not "
+                     "writable")
+
+
+def _export_model(model, out: Path, source: Path | None, copied: list[str]) -> int:
+  from models.hf import save_hf
+  base_config = None
   if source is not None and (source / "config.json").is_file():
-    hf = json.loads((source / "config.json").read_text(encoding="utf-8"))
-    special = {k: hf.get(k) for k in SPECIAL if k in hf}
-  out = Path(args.out)
-  held = [n for n in ("config.json", "model.safetensors", "model.safetensors.index.json")
-          if (out / n).exists()]
-  if held:  # never over another model (say the --init-from folder itself)
-    raise UsageError(f"--out {args.out!r} already holds a model ({', '.join(held)}); choose "
-                     "a new or empty folder")
+    base_config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+  special = {k: base_config.get(k) for k in SPECIAL if k in (base_config or {})}
   try:
-    save_hf(model, out, special_tokens=special)
-  except (ValueError, FileExistsError) as err:
-    raise UsageError(f"--out {args.out!r}: {err}") from None
-  for name in TOKENIZER_FILES:
-    if source is not None and (source / name).is_file():
+    save_hf(model, out, special_tokens=special, base_config=base_config)
+    for name in copied:
       shutil.copyfile(source / name, out / name)
+  except (ValueError, FileExistsError) as err:
+    raise UsageError(f"--out {str(out)!r}: {err}") from None
+  except OSError as err:
+    raise UsageError(f"--out {str(out)!r} cannot be written: {err.strerror or err}") from None
   print(f"wrote {out} ({model.cfg.family or 'llama/qwen2'} family, "
         f"{sum(1 for _ in out.iterdir())} files)")
   if model.cfg.expert_capacity_factor is not None:  # an HF config has no such field
@@ -97,25 +137,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _export_adapter(model, out: Path, source: Path | None) -> int:
-  from models.peft import CONFIG, save_peft_adapter
-  if (out / CONFIG).exists():  # never over another adapter
-    raise UsageError(f"--out {str(out)!r} already holds an adapter ({CONFIG}); choose a new "
-                     "or empty folder")
-  if out.exists() and not out.is_dir():
-    raise UsageError(f"--out {str(out)!r} is a file, not a folder")
+  from models.peft import save_peft_adapter
   try:
     modules = save_peft_adapter(model, out, base_model_name_or_path=source and str(source))
   except ValueError as err:
     raise UsageError(f"--out {str(out)!r}: {err}") from None
+  except OSError as err:
+    raise UsageError(f"--out {str(out)!r} cannot be written: {err.strerror or err}") from None
   print(f"wrote {out} (a PEFT LoRA adapter: rank {model.lora.rank} on {len(modules)} "
         f"modules{'' if source is None else f' of {source}'})")
   return 0
 
 
-def _init_from(checkpoint: Path, step: int | None) -> Path | None:
-  from flax_tp.checkpoint import Checkpointer
-  run = Checkpointer(checkpoint).read_meta(step).get("run") or {}
-  return Path(run["init_from"]) if run.get("init_from") else None
+def _run_record(checkpoint: Path, step: int | None) -> dict:
+  """The run record of the checkpoint ``--checkpoint`` (``--step``) names."""
+  from flax_tp.checkpoint import Checkpointer, CheckpointError
+  try:
+    return Checkpointer(checkpoint).read_meta(step).get("run") or {}
+  except CheckpointError as err:
+    raise UsageError(f"--checkpoint: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

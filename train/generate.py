@@ -174,29 +174,21 @@ def load_from_checkpoint(args, mesh):
 
 
 def _model_of_run(args, run: dict, cfg, mesh):
-  """The model a checkpoint's params go into: the config's, or for a LoRA run its base
-  (``--init-from``'s folder, checked to be the model the run trained, or the preset's
-  draws at the run's seed) with the run's adapters."""
-  from flax import nnx
-
-  from flax_tp.lora import LoRAConfig
-  from models.transformer import Transformer
-  settings = run.get("lora")
-  if not settings:
-    return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0))
-  lora = LoRAConfig(rank=settings["rank"], alpha=settings["alpha"], rslora=settings["rslora"],
-                    targets=tuple(t.strip() for t in settings["targets"].split(",") if t.strip()))
+  """The model a checkpoint's params go into, built as the run built it
+  (``train.run_model``): the config's, or for a LoRA run its base (``--init-from``'s
+  folder, checked to be the model the run trained, or the preset's draws at the run's
+  seed) with the run's adapters."""
+  from train.run_model import build_run_model, lora_of_run
+  lora = lora_of_run(run)
   seed = int(run.get("seed", 0))
-  if not run.get("init_from"):
-    return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed), lora=lora)
-  from models.hf import load_hf
+  if lora is None or not run.get("init_from"):
+    return build_run_model(cfg, mesh=mesh, seed=seed if lora else 0, lora=lora)
   base = Path(run["init_from"])
   if not (base / "config.json").is_file():
     raise UsageError(f"--checkpoint {args.checkpoint!r}: its LoRA adapters' base "
                      f"{str(base)!r} is gone")
   try:
-    model = load_hf(base, mesh, seed=seed, lora=lora, max_seq_len=cfg.max_seq_len,
-                    dropout=cfg.dropout, dtype=cfg.dtype)
+    model = build_run_model(cfg, mesh=mesh, seed=seed, init_from=base, lora=lora)
   except (ValueError, OSError) as err:
     raise UsageError(f"--checkpoint {args.checkpoint!r}: its base {str(base)!r}: {err}"
                      ) from None

@@ -76,9 +76,13 @@ def claim_checkpoint_dir(job: Job, checkpointer: Checkpointer,
                 f"{job.checkpoint.dir!r}")
 
 
-def resume_point(job: Job, checkpointer: Checkpointer,
-                 identity: dict[str, Any], corpus: TokenCorpus) -> tuple[int, list[str]]:
-  """The step to resume from, after checking that the checkpoint is this run's."""
+def resume_point(job: Job, checkpointer: Checkpointer, identity: dict[str, Any],
+                 corpus: TokenCorpus, same_layers: Any = None) -> tuple[int, list[str]]:
+  """The step to resume from, after checking that the checkpoint is this run's.
+
+  ``same_layers(saved_targets, our_targets) -> bool``: whether two ``--lora-targets``
+  strings adapt the same layers (``'a,b'`` and ``'b,a'`` do); without it they must be
+  equal strings."""
   if checkpointer.latest_step() is None:
     raise UsageError(f"--resume: no checkpoint in {job.checkpoint.dir!r}")
   meta = checkpointer.read_meta()
@@ -92,6 +96,12 @@ def resume_point(job: Job, checkpointer: Checkpointer,
   if isinstance(saved.get("config"), dict):  # fields added since: their defaults (those
     # of the families are left out of an identity at their defaults, here and there)
     saved = {**saved, "config": {**TransformerConfig().identity(), **saved["config"]}}
+  saved_lora, our_lora = saved.get("lora"), identity.get("lora")
+  if (same_layers is not None and isinstance(saved_lora, dict) and isinstance(our_lora, dict)
+      and saved_lora.get("targets") != our_lora.get("targets")
+      and isinstance(saved_lora.get("targets"), str)
+      and same_layers(saved_lora["targets"], our_lora["targets"])):
+    saved = {**saved, "lora": {**saved_lora, "targets": our_lora["targets"]}}
   differences = _differences(saved, identity)
   if differences:
     raise UsageError(

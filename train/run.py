@@ -189,6 +189,9 @@ def check_args(args: argparse.Namespace) -> None:
   if lora_flags and not args.lora_rank:
     raise UsageError(f"{lora_flags[0]} needs --lora-rank (without it the run fine-tunes "
                      "every param)")
+  if args.lora_rank and not [t for t in args.lora_targets.split(",") if t.strip()]:
+    raise UsageError(f"--lora-targets {args.lora_targets!r} names no layer: give comma-"
+                     "separated globs over module paths, e.g. 'blocks.*.attn.[qv]'")
   if args.expert_drop_policy != "probs" and args.expert_capacity_factor is None:
     raise UsageError("--expert-drop-policy needs --expert-capacity-factor (without one "
                      "nothing is dropped)")

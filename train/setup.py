@@ -3,7 +3,7 @@ step, and the start-up lines that say what it is."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
 
 import jax
 from flax import nnx
@@ -13,14 +13,13 @@ import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError
 from flax_tp.param_info import ParamInfo
 from models.config import TransformerConfig
-from models.hf import load_hf
-from models.transformer import Transformer
 from train.data import TokenCorpus
 from train.errors import UsageError
 from train.hf_folder import hf_model_and_tokenizer
 from train.job import Job
 from train.metrics import is_main_process
 from train.resume import claim_checkpoint_dir, resume_point, run_identity
+from train.run_model import build_run_model
 from train.step import LossOptions, Trainer, make_optimizer
 
 
@@ -30,9 +29,10 @@ def param_summary(params: nnx.State) -> dict[str, int]:
   for _, var in nnx.to_flat_state(params):
     value = var[...]
     info = ParamInfo.of(var)
-    layout = info.layout
     shard_bytes = value.addressable_shards[0].data.nbytes
-    total += value.size if layout is None else value.size // layout.padded_total * layout.size
+    # Logical: without the padding of any split dim (the FFN's, the experts'), so the
+    # count is the model's whatever the mesh.
+    total += math.prod(info.logical_shape(value.shape))
     if info.is_split:  # split over "model" and/or "data" (FSDP)
       sharded += shard_bytes
     else:
@@ -73,6 +73,9 @@ class SetUp:
     if job.model.expert_capacity_factor is not None and not self.cfg.has_experts:
       raise UsageError(f"--expert-capacity-factor {job.model.expert_capacity_factor} is for a "
                        f"model with experts; this one has none")
+    if job.loss.router_z_loss and not self.cfg.has_experts:  # never a weight that does nothing
+      raise UsageError(f"--router-z-loss {job.loss.router_z_loss} is for a model with experts "
+                       "(it weighs their router's z-loss); this one has none")
     self.checkpointer = None
     if job.checkpoint.dir:
       self.checkpointer = Checkpointer(job.checkpoint.dir,
@@ -89,28 +92,40 @@ class SetUp:
     if job.checkpoint.resume:
       try:
         self.start, self.notes = resume_point(job, self.checkpointer, self.identity,
-                                              self.corpus)
+                                              self.corpus, self._same_lora_layers)
       except CheckpointError as err:
         raise UsageError(str(err)) from None
-    self._build_state(overrides)
+    self._build_state()
 
-  def _build_state(self, overrides: dict[str, Any]) -> None:
+  def _same_lora_layers(self, saved: str, ours: str) -> bool:
+    """Whether two ``--lora-targets`` strings adapt the same layers of this model (their
+    globs matched against its column/row layers' paths, which its tensors name)."""
+    from flax_tp.lora import matching_layers
+    from models.families import tensor_names
+    paths = sorted({".".join(map(str, path[:-1])) for tensor in tensor_names(self.cfg)
+                    for path in tensor.paths if path[-1] == "kernel" and tensor.expert is None})
+    split = lambda targets: tuple(t.strip() for t in targets.split(",") if t.strip())
+    try:
+      return matching_layers(paths, split(saved)) == matching_layers(paths, split(ours))
+    except ValueError:  # a glob matching nothing: not the same run
+      return False
+
+  def _build_state(self) -> None:
     """The model's trainer, and its params and optimizer state (restored on resume)."""
     job = self.job
     # The base from --init-from on a fresh run, and with LoRA on resume too (a LoRA
     # checkpoint holds the adapters alone).
-    if job.model.init_from and (self.start == 0 or self.lora is not None):
-      try:
-        model = load_hf(job.model.init_from, self.mesh, seed=job.schedule.seed,
-                        execution=self.execution, lora=self.lora, **overrides)
-      except (ValueError, OSError) as err:  # missing or misshapen tensors: bad input
-        raise UsageError(f"--init-from {job.model.init_from!r}: {err}") from None
-    else:  # a fresh model, or one a checkpoint then overwrites
-      try:
-        model = Transformer(self.cfg, mesh=self.mesh, rngs=nnx.Rngs(job.schedule.seed),
-                            execution=self.execution, lora=self.lora)
-      except ValueError as err:  # a LoRA target that matches no layer
-        raise UsageError(f"--lora-targets: {err}") from None
+    # Otherwise a fresh model, or one a checkpoint then overwrites.
+    base = (job.model.init_from if job.model.init_from and (
+        self.start == 0 or self.lora is not None) else None)
+    try:
+      model = build_run_model(self.cfg, mesh=self.mesh, seed=job.schedule.seed,
+                              init_from=base, lora=self.lora, execution=self.execution)
+    except (ValueError, OSError) as err:  # a LoRA target that matches no layer; missing
+      # or misshapen tensors
+      lora_error = str(err).startswith("LoRA target")
+      raise UsageError(f"--lora-targets: {err}" if lora_error or not base
+                       else f"--init-from {base!r}: {err}") from None
     opt = job.optimizer
     tx = make_optimizer(lr=opt.lr, steps=job.schedule.steps, warmup_steps=opt.warmup_steps,
                         weight_decay=opt.weight_decay, grad_clip=opt.grad_clip)
@@ -149,7 +164,9 @@ class SetUp:
                   f"{_mib(summary['replicated_bytes_per_device'])}"
                   + (f" | {', '.join(options)}" if options else ""))
     if self.cfg.has_experts:
-      console.print(experts_line(self.cfg, data_size, mesh.shape[flax_tp.MODEL_AXIS]))
+      # A step's dispatch sees the global batch, each row's S + 1 tokens.
+      console.print(experts_line(self.cfg, data_size, mesh.shape[flax_tp.MODEL_AXIS],
+                                 tokens=job.schedule.batch_size * (job.model.seq_len + 1)))
     if self.lora is not None:
       console.print(lora_line(self.lora, self.trainer, self.params), markup=False)
     console.print(f"data: {self.corpus.describe()} | unigram entropy "
@@ -181,8 +198,10 @@ def lora_line(lora, trainer, params) -> str:
           f"({100 * adapters / total:.2f}% of {total:,}); the base is frozen")
 
 
-def experts_line(cfg, data: int, model: int) -> str:
-  """The start-up line saying how a mixture of experts is laid out on the mesh."""
+def experts_line(cfg, data: int, model: int, tokens: int) -> str:
+  """The start-up line saying how a mixture of experts is laid out on the mesh, and what
+  its capacity is for a dispatch of ``tokens`` tokens."""
+  from flax_tp.moe import capacity_is_capped, expert_capacity
   experts = flax_tp.ShardLayout(cfg.num_experts, data)
   ffn = flax_tp.ShardLayout(cfg.expert_width, model)
   layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
@@ -192,9 +211,16 @@ def experts_line(cfg, data: int, model: int) -> str:
               else "every expert on every device: no dispatch")
   shared = (f" | shared expert FFN {cfg.shared_expert_d_ff}" if cfg.shared_expert_d_ff
             else "")
-  capacity = ("dropless" if cfg.expert_capacity_factor is None else
-              f"capacity factor {cfg.expert_capacity_factor:g}, full experts keep the "
-              + ("largest weights" if cfg.expert_drop_policy == "probs" else "earliest tokens"))
+  factor, k, e = cfg.expert_capacity_factor, cfg.experts_per_token, cfg.num_experts
+  if factor is None:
+    capacity = "dropless"
+  elif capacity_is_capped(tokens, k, e, factor):  # never a buffer past every token
+    capacity = (f"capacity factor {factor:g}, capped at all {tokens} tokens of a step (an "
+                "expert can take no more): nothing dropped")
+  else:
+    capacity = (f"capacity factor {factor:g} ({expert_capacity(tokens, k, e, factor)} of a "
+                f"step's {tokens} tokens per expert), full experts keep the "
+                + ("largest weights" if cfg.expert_drop_policy == "probs" else "earliest tokens"))
   return (f"experts: {cfg.num_experts} in each of {layers} MoE layer(s), top-"
           f"{cfg.experts_per_token}, {capacity} | over data: {per_shard} per shard{padded} | "
           f"each expert's FFN {cfg.expert_width} over model: "

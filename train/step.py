@@ -128,6 +128,7 @@ class Trainer:
     self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
     self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1))
     self.eval_step = jax.jit(self._eval_loss)
+    self._compiled_loss_and_grads = jax.jit(self._loss_and_grads)
 
   def trained(self, params: nnx.State) -> nnx.State:
     """The params the optimizer updates: the adapters (with LoRA) or all of them."""
@@ -229,7 +230,12 @@ class Trainer:
                          out_specs=out_specs)
 
   def loss_and_grads(self, params, tokens, key=None, labels=None):
-    """(loss, grads) of the mean next-token loss; grads sharded like params."""
+    """(loss, grads) of the mean next-token loss; grads sharded like params. Compiled
+    (eagerly a ``shard_map`` runs op by op: 93 s for ``moe-tiny`` on 2x4, against 2 s);
+    inside a caller's ``jit`` it is inlined."""
+    return self._compiled_loss_and_grads(params, tokens, key, labels)
+
+  def _loss_and_grads(self, params, tokens, key, labels):
     loss = functools.partial(self._local_loss, options=self.loss_options)
     mapped = self._map(self._value_and_grad(loss), (P(), self.trained_specs),
                        labels is not None)
