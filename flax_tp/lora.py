@@ -53,6 +53,19 @@ def lora_scaling(rank: int, alpha: float, rslora: bool = False) -> float:
   return alpha / (math.sqrt(rank) if rslora else rank)
 
 
+def checked_rank_and_alpha(rank: Any, alpha: Any) -> tuple[int, float | int]:
+  """``(rank, alpha)`` as Python numbers; ``ValueError`` naming a rank that is not a
+  positive integer or an alpha that is not a positive finite number. A bool is an int to
+  Python, but True is no rank: refused, where numpy's numbers are taken."""
+  if (not isinstance(rank, (int, np.integer)) or isinstance(rank, (bool, np.bool_))
+      or rank < 1):
+    raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
+  if not (isinstance(alpha, (int, float, np.integer, np.floating))
+          and not isinstance(alpha, (bool, np.bool_)) and math.isfinite(alpha) and alpha > 0):
+    raise ValueError(f"LoRA alpha must be a positive number, got {alpha!r}")
+  return int(rank), (alpha.item() if isinstance(alpha, np.generic) else alpha)
+
+
 def add_lora(layer: Any, rank: int, alpha: float | None = None, *, rngs: nnx.Rngs,
              rslora: bool = False, a_init: Any = peft_a_init,
              b_init: Any = nnx.initializers.zeros_init(), param_dtype: Any = None) -> Any:
@@ -65,11 +78,7 @@ def add_lora(layer: Any, rank: int, alpha: float | None = None, *, rngs: nnx.Rng
   if not isinstance(layer, (ColumnParallelDense, RowParallelDense)):
     raise TypeError(f"add_lora takes a ColumnParallelDense or RowParallelDense, got "
                     f"{type(layer).__name__}")
-  if not isinstance(rank, int) or rank < 1:
-    raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
-  alpha = rank if alpha is None else alpha
-  if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
-    raise ValueError(f"LoRA alpha must be a positive number, got {alpha!r}")
+  rank, alpha = checked_rank_and_alpha(rank, rank if alpha is None else alpha)
   if has_lora(layer):
     raise ValueError("this layer already has a LoRA adapter")
   column = isinstance(layer, ColumnParallelDense)
@@ -104,17 +113,9 @@ class LoRAConfig:
   # no-op); False: B drawn as A is (torch Linear's default), so it changes the output
 
   def __post_init__(self):
-    # A bool is an int to Python, but True is no rank: refused, as numpy's ints are taken.
-    if (not isinstance(self.rank, (int, np.integer)) or isinstance(self.rank, (bool, np.bool_))
-        or self.rank < 1):
-      raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
-    if not (isinstance(self.alpha, (int, float, np.integer, np.floating))
-            and not isinstance(self.alpha, (bool, np.bool_)) and math.isfinite(self.alpha)
-            and self.alpha > 0):
-      raise ValueError(f"LoRA alpha must be a positive number, got {self.alpha!r}")
-    object.__setattr__(self, "rank", int(self.rank))  # JSON and shapes take Python's
-    if isinstance(self.alpha, (np.integer, np.floating)):
-      object.__setattr__(self, "alpha", self.alpha.item())
+    rank, alpha = checked_rank_and_alpha(self.rank, self.alpha)
+    object.__setattr__(self, "rank", rank)  # JSON and shapes take Python's numbers
+    object.__setattr__(self, "alpha", alpha)
     if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
       raise ValueError(f"LoRA targets must be non-empty globs, got {self.targets!r}")
 

@@ -180,6 +180,15 @@ def test_bad_adapters_are_refused_by_name(meshes):
     add_lora(layer, 0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="LoRA alpha must be a positive number, got -1"):
     add_lora(layer, 2, -1, rngs=nnx.Rngs(0))
+  # True is an int to Python, but no rank or alpha; numpy's numbers are numbers.
+  with pytest.raises(ValueError, match="LoRA rank must be a positive integer, got True"):
+    add_lora(layer, True, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="LoRA rank must be a positive integer, got True"):
+    flax_tp.LoRAConfig(rank=True)
+  with pytest.raises(ValueError, match="LoRA alpha must be a positive number, got True"):
+    flax_tp.LoRAConfig(rank=2, alpha=True)
+  config = flax_tp.LoRAConfig(rank=np.int64(2), alpha=np.float32(4.0))
+  assert type(config.rank) is int and type(config.alpha) is float and config.scaling == 2.0
   with pytest.raises(TypeError, match="got Linear"):
     add_lora(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), 2, rngs=nnx.Rngs(0))
   add_lora(layer, 2, rngs=nnx.Rngs(0))
