@@ -171,7 +171,10 @@ def test_fused_projections_with_adapters_on_some(meshes):
   np.testing.assert_allclose(fused_dx, dx, rtol=1e-5, atol=1e-6)
   for (path, a), (_, b) in zip(nnx.to_flat_state(fused_grads), nnx.to_flat_state(grads),
                                strict=True):
-    np.testing.assert_allclose(a[...], b[...], rtol=1e-5, atol=1e-6, err_msg=str(path))
+    # The fused matmul sums in another order: within float32 rounding of the gradient's
+    # own scale (lora_b's entries reach 10, so an entry of 0.04 may differ by 3e-6).
+    scale = max(1.0, float(np.abs(b[...]).max()))
+    np.testing.assert_allclose(a[...], b[...], rtol=1e-5, atol=1e-6 * scale, err_msg=str(path))
 
 
 def test_bad_adapters_are_refused_by_name(meshes):
