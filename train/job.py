@@ -75,10 +75,15 @@ class LoRAJob:
       return None
     from flax_tp.lora import LoRAConfig
     return LoRAConfig(rank=self.rank, alpha=self.alpha, rslora=self.rslora, seed=seed,
-                      targets=tuple(t.strip() for t in self.targets.split(",") if t.strip()))
+                      targets=target_globs(self.targets))
 
   def identity(self) -> dict | None:
     return dataclasses.asdict(self) if self.rank else None
+
+
+def target_globs(targets: str) -> tuple[str, ...]:
+  """``--lora-targets``' comma-separated globs, blanks dropped."""
+  return tuple(t.strip() for t in targets.split(",") if t.strip())
 
 
 @dataclasses.dataclass(frozen=True)

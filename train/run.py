@@ -37,7 +37,7 @@ from models.config import TransformerConfig
 from train import distributed as train_distributed
 from train.cli import INT_MAX, SEED_LIMIT, UsageParser, exit_ladder, one_line
 from train.devices import provide_mesh_devices
-from train.job import DEFAULTS
+from train.job import DEFAULTS, target_globs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,7 +189,7 @@ def check_args(args: argparse.Namespace) -> None:
   if lora_flags and not args.lora_rank:
     raise UsageError(f"{lora_flags[0]} needs --lora-rank (without it the run fine-tunes "
                      "every param)")
-  if args.lora_rank and not [t for t in args.lora_targets.split(",") if t.strip()]:
+  if args.lora_rank and not target_globs(args.lora_targets):
     raise UsageError(f"--lora-targets {args.lora_targets!r} names no layer: give comma-"
                      "separated globs over module paths, e.g. 'blocks.*.attn.[qv]'")
   if args.expert_drop_policy != "probs" and args.expert_capacity_factor is None:

@@ -16,7 +16,7 @@ from models.config import TransformerConfig
 from train.data import TokenCorpus
 from train.errors import UsageError
 from train.hf_folder import hf_model_and_tokenizer
-from train.job import Job
+from train.job import Job, target_globs
 from train.metrics import is_main_process
 from train.resume import claim_checkpoint_dir, resume_point, run_identity
 from train.run_model import build_run_model
@@ -104,9 +104,9 @@ class SetUp:
     from models.families import tensor_names
     paths = sorted({".".join(map(str, path[:-1])) for tensor in tensor_names(self.cfg)
                     for path in tensor.paths if path[-1] == "kernel" and tensor.expert is None})
-    split = lambda targets: tuple(t.strip() for t in targets.split(",") if t.strip())
     try:
-      return matching_layers(paths, split(saved)) == matching_layers(paths, split(ours))
+      return (matching_layers(paths, target_globs(saved))
+              == matching_layers(paths, target_globs(ours)))
     except ValueError:  # a glob matching nothing: not the same run
       return False
 
