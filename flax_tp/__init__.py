@@ -14,7 +14,7 @@ from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_p
 from flax_tp.logical import load_unsharded, unshard
 from flax_tp.lora import LoRAConfig, add_adapters, add_lora
 from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
-from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, make_mesh, parse_mesh_spec
+from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, MeshAxes, make_mesh, parse_mesh_spec
 from flax_tp.moe import MoE, RouterStats, load_balancing_loss, router_z_loss
 from flax_tp.norm import logical_norm
 from flax_tp.params import place_on_mesh, replicate_on_mesh
@@ -33,6 +33,7 @@ __all__ = [
     "all_reduce",
     "axis_is_bound",
     "ColumnParallelDense",
+    "CONTEXT_AXIS",
     "copy_to_parallel",
     "DATA_AXIS",
     "explain_plan",
@@ -44,6 +45,7 @@ __all__ = [
     "load_unsharded",
     "logical_norm",
     "make_mesh",
+    "MeshAxes",
     "MODEL_AXIS",
     "MoE",
     "LoRAConfig",

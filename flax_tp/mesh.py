@@ -1,9 +1,16 @@
-"""The ``("data", "model")`` device mesh that every flax_tp layer lives on, and the
-thread pool that simulated CPU devices need."""
+"""The device mesh every flax_tp layer lives on, the one record of its axes' roles
+(``MeshAxes``), and the thread pool that simulated CPU devices need.
+
+A mesh always has ``"data"`` (data parallelism, FSDP, the experts) and ``"model"``
+(tensor and sequence parallelism); ``"context"`` (the sequence split for long contexts)
+joins them, between the two, when it has more than one device. A role without an axis
+has size 1: ``MeshAxes.of(mesh)`` reads every role's size from any mesh.
+"""
 
 from __future__ import annotations
 
 import copyreg
+import dataclasses
 import os
 import re
 from collections.abc import Sequence
@@ -13,8 +20,109 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 DATA_AXIS = "data"
+CONTEXT_AXIS = "context"
 MODEL_AXIS = "model"
-_SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_SIZES = re.compile(r"^\s*-?\d+\s*([xX]\s*-?\d+\s*){1,2}$")
+_NAMED = re.compile(r"^\s*([A-Za-z_]+)\s*=\s*(-?\d+)\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxes:
+  """How many devices each role of the mesh has: the one record every layer, the step,
+  FSDP, the experts, the cache and the CLI read the mesh's roles from.
+
+  ``ROLES`` lists the roles in device order (the last varies fastest: consecutive
+  devices share ``"model"``, which talks every layer, then ``"context"``, which talks
+  every attention). ``"data"`` and ``"model"`` are always axes of the mesh (specs name
+  them); an optional role (``OPTIONAL``: ``"context"``; ``"stage"`` comes with pipeline
+  parallelism) is an axis only when it has more than one device, so ``"2x1x4"`` builds
+  the very mesh ``"2x4"`` does.
+  """
+
+  data: int = 1
+  context: int = 1
+  model: int = 1
+
+  ROLES = (DATA_AXIS, CONTEXT_AXIS, MODEL_AXIS)
+  OPTIONAL = (CONTEXT_AXIS,)
+
+  @classmethod
+  def parse(cls, spec: str | Sequence[int] | MeshAxes) -> MeshAxes:
+    """``"DxM"``, ``"DxCxM"``, the named form ``"data=2,context=2,model=2"`` (any
+    order, a missing role is 1), a tuple ``(D, M)`` / ``(D, C, M)``, or a ``MeshAxes``.
+    ``ValueError`` naming the spec for anything else: an unknown or repeated role, a
+    size that is not a positive integer, a wrong number of sizes."""
+    if isinstance(spec, MeshAxes):
+      return spec
+    if isinstance(spec, str) and "=" in spec:
+      return cls._parse_named(spec)
+    if isinstance(spec, str):
+      sizes = ([int(p) for p in re.split(r"[xX]", spec.strip())]
+               if _SIZES.match(spec) else None)
+    else:
+      try:
+        sizes = [int(d) for d in spec]
+        if any(isinstance(d, bool) or int(d) != d for d in spec):
+          sizes = None
+      except (TypeError, ValueError):
+        sizes = None
+    if sizes is None or len(sizes) not in (2, 3) or min(sizes) < 1:
+      raise ValueError(
+          f"bad mesh spec {spec!r}: expected 'DxM' (e.g. '2x4'), 'DxCxM' (data x "
+          "context x model, e.g. '2x2x2') or named sizes ('data=2,context=2,model=2'), "
+          "each a positive integer")
+    if len(sizes) == 2:
+      return cls(data=sizes[0], model=sizes[1])
+    return cls(data=sizes[0], context=sizes[1], model=sizes[2])
+
+  @classmethod
+  def _parse_named(cls, spec: str) -> MeshAxes:
+    sizes: dict[str, int] = {}
+    for part in spec.split(","):
+      match = _NAMED.match(part)
+      if match is None:
+        raise ValueError(f"bad mesh spec {spec!r}: {part.strip()!r} is not role=size "
+                         f"(roles {', '.join(cls.ROLES)})")
+      role, size = match[1], int(match[2])
+      if role not in cls.ROLES:
+        raise ValueError(f"bad mesh spec {spec!r}: unknown axis {role!r}; expected "
+                         f"{', '.join(cls.ROLES)}")
+      if role in sizes:
+        raise ValueError(f"bad mesh spec {spec!r}: axis {role!r} is given twice")
+      if size < 1:
+        raise ValueError(f"bad mesh spec {spec!r}: axis {role!r} has {size} devices; "
+                         "each axis needs a positive number")
+      sizes[role] = size
+    return cls(**sizes)
+
+  @classmethod
+  def of(cls, mesh: Mesh) -> MeshAxes:
+    """The roles' sizes of ``mesh`` (a role it has no axis for: 1)."""
+    return cls(**{role: int(mesh.shape.get(role, 1)) for role in cls.ROLES})
+
+  @property
+  def devices(self) -> int:
+    return self.data * self.context * self.model
+
+  def size(self, role: str) -> int:
+    return getattr(self, role)
+
+  @property
+  def axis_names(self) -> tuple[str, ...]:
+    """The mesh's axes, in device order: every role but an optional one of size 1."""
+    return tuple(r for r in self.ROLES if r not in self.OPTIONAL or self.size(r) > 1)
+
+  @property
+  def batch_axes(self) -> tuple[str, ...]:
+    """The axes whose devices hold different tokens of one step, over which a param's
+    gradient is summed: ``"data"``, and ``"context"`` when it has an axis."""
+    return tuple(r for r in (DATA_AXIS, CONTEXT_AXIS) if r in self.axis_names)
+
+  def __str__(self) -> str:
+    """``"DxM"`` without a context axis, else ``"DxCxM"``."""
+    sizes = (self.data, self.context, self.model) if self.context > 1 else (
+        self.data, self.model)
+    return "x".join(map(str, sizes))
 
 
 def split_over(axis_name: str, axis_size: int) -> str | None:
@@ -26,23 +134,14 @@ def split_over(axis_name: str, axis_size: int) -> str | None:
 
 
 def parse_mesh_spec(spec: str | Sequence[int]) -> tuple[int, int]:
-  """``"2x4"`` or ``(2, 4)`` -> ``(data, model)``; ``ValueError`` for anything else."""
-  if isinstance(spec, str):
-    match = _SPEC.match(spec)
-    shape = (int(match[1]), int(match[2])) if match else None
-  else:
-    try:
-      shape = tuple(int(d) for d in spec)
-      if len(shape) != 2 or any(int(d) != d for d in spec):
-        shape = None
-    except (TypeError, ValueError):
-      shape = None
-  if shape is None or min(shape) < 1:
-    raise ValueError(
-        f"bad mesh spec {spec!r}: expected 'DxM' (e.g. '2x4') or a pair (D, M) of "
-        "positive integers, D data-parallel by M model-parallel devices"
-    )
-  return shape
+  """``(data, model)`` of a mesh spec without a context axis (any form ``MeshAxes.parse``
+  takes); ``ValueError`` for a bad spec or one with a context axis (read those with
+  ``MeshAxes.parse``)."""
+  axes = MeshAxes.parse(spec)
+  if axes.context > 1:
+    raise ValueError(f"mesh spec {spec!r} has a context axis of {axes.context}: read it "
+                     "with flax_tp.MeshAxes.parse")
+  return axes.data, axes.model
 
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=([0-9]+)(?![^\s])")
@@ -103,19 +202,22 @@ def _check_cpu_threads(devices: Sequence[jax.Device]) -> None:
         "JAX, which sets it")
 
 
-def make_mesh(spec: str | Sequence[int], *,
+def make_mesh(spec: str | Sequence[int] | MeshAxes, *,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A ``jax.sharding.Mesh`` with axes ``("data", "model")`` of shape ``spec``.
+  """A ``jax.sharding.Mesh`` of the roles ``spec`` gives (``MeshAxes.parse``: ``"2x4"``,
+  ``"2x2x2"``, ``"data=2,context=2,model=2"``): axes ``("data", "model")``, with
+  ``"context"`` between them when it has more than one device.
 
-  Uses the first ``D * M`` of ``devices`` (default: ``jax.devices()``), laid out
+  Uses the first ``D * C * M`` of ``devices`` (default: ``jax.devices()``), laid out
   so that consecutive devices share the ``"model"`` axis: tensor parallelism
   talks every layer and wants the fastest links, which neighbouring devices (and
-  devices of one process) have.
+  devices of one process) have; context parallelism, which talks every attention,
+  comes next.
   """
-  data, model = parse_mesh_spec(spec)
+  axes = MeshAxes.parse(spec)
   available = list(devices) if devices is not None else sorted(
       jax.devices(), key=lambda d: (d.process_index, d.id))
-  needed = data * model
+  needed = axes.devices
   if needed > len(available):
     hint = ""
     if available and available[0].platform == "cpu":
@@ -134,8 +236,9 @@ def make_mesh(spec: str | Sequence[int], *,
   # Row-major over jax.devices(), which lists each process's devices together, so
   # a "model" row stays inside one process whenever M divides its device count.
   _check_cpu_threads(available[:needed])
-  grid = np.array(available[:needed], dtype=object).reshape(data, model)
-  return Mesh(grid, (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+  names = axes.axis_names
+  grid = np.array(available[:needed], dtype=object).reshape([axes.size(n) for n in names])
+  return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def _rebuild_mesh(axis_names: tuple[str, ...], device_ids: list, shape: tuple[int, ...],

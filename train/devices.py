@@ -31,15 +31,15 @@ def provide_cpu_devices(count: int) -> None:
 
 def provide_mesh_devices(mesh: str, processes: int = 1) -> None:
   """Checks ``--mesh`` (UsageError) and provides this process's share of its CPU devices."""
-  from flax_tp.mesh import parse_mesh_spec
+  from flax_tp.mesh import MeshAxes
   try:
-    data, model = parse_mesh_spec(mesh)
+    devices = MeshAxes.parse(mesh).devices
   except ValueError as err:
     raise UsageError(str(err)) from None
-  if (data * model) % processes:
-    raise UsageError(f"--mesh {mesh} has {data * model} devices, which "
+  if devices % processes:
+    raise UsageError(f"--mesh {mesh} has {devices} devices, which "
                      f"{processes} processes cannot share evenly")
-  if data * model // processes > MAX_SIMULATED_DEVICES and not os.environ.get("XLA_FLAGS"):
-    raise UsageError(f"--mesh {mesh} needs {data * model:,} devices; at most "
+  if devices // processes > MAX_SIMULATED_DEVICES and not os.environ.get("XLA_FLAGS"):
+    raise UsageError(f"--mesh {mesh} needs {devices:,} devices; at most "
                      f"{MAX_SIMULATED_DEVICES} per process can be simulated on a CPU")
-  provide_cpu_devices(data * model // processes)
+  provide_cpu_devices(devices // processes)

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--step", type=int, default=None,
                  help="the checkpoint step to export (default: the latest)")
   p.add_argument("--out", metavar="DIR", required=True, help="the HF folder to write")
-  p.add_argument("--mesh", default="1x1", help="DATAxMODEL devices to restore on, e.g. 1x8")
+  p.add_argument("--mesh", default="1x1", help="DxM or DxCxM devices to restore on, "
+                 "or named sizes (data=1,model=8), e.g. 1x8")
   p.add_argument("--merge", action="store_true",
                  help="a LoRA run: write the base with its adapters merged in (an HF model "
                       "folder) instead of the PEFT adapter")

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --hf: a PEFT LoRA adapter folder to apply to it")
   p.add_argument("--step", type=int, default=None,
                  help="the checkpoint step to load (default: the latest)")
-  p.add_argument("--mesh", default="1x1", help="DATAxMODEL devices, e.g. 1x8")
+  p.add_argument("--mesh", default="1x1", help="DxM or DxCxM devices, or named sizes "
+                 "(data=1,context=2,model=4), e.g. 1x8")
   p.add_argument("--prompt", default="def ", help="the text to continue")
   p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
   p.add_argument("--temperature", type=float, default=0.0,

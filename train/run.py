@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the tensor-parallel transformer on a ("data", "model") mesh.
+"""Train the tensor-parallel transformer on a ("data", ["context",] "model") mesh.
 
     python train/run.py --mesh 2x4
 
@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
   p = UsageParser(prog="train/run.py", description=__doc__.split("\n\n")[0],
               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--mesh", default=d["mesh"],
-                 help="DxM: D-way data parallel by M-way tensor (model) parallel")
+                 help="DxM: D-way data parallel by M-way tensor (model) parallel; DxCxM "
+                      "adds C-way context parallelism (the sequence split over C devices); "
+                      "or named sizes in any order, e.g. data=2,context=2,model=2")
   p.add_argument("--preset", default=None, choices=TransformerConfig.preset_names(),
                  help="model: 'tiny' for tests, 'small' trains usefully on a CPU; 'llama-tiny' "
                       "(grouped-query attention, RMSNorm, SwiGLU) for tests, 'llama-125m' and "
