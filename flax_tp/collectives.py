@@ -62,14 +62,27 @@ def _is_trivial(x: jax.Array, axis_name: str) -> bool:
   return jax.lax.axis_size(axis_name) == 1 and not is_varying(x, axis_name)
 
 
-def copy_to_parallel(x: jax.Array, axis_name: str = MODEL_AXIS) -> jax.Array:
+def _live_axes(x: jax.Array, axis_names: tuple[str, ...], what: str) -> tuple[str, ...]:
+  """Of several axes, those a collective over them must name: each is bound, and a
+  one-device axis over which ``x`` is the same everywhere is left out."""
+  for name in axis_names:
+    _require_bound(name, what)
+  return tuple(n for n in axis_names if not _is_trivial(x, n))
+
+
+def copy_to_parallel(x: jax.Array, axis_name: str | tuple[str, ...] = MODEL_AXIS) -> jax.Array:
   """Marks a replicated ``x`` as input to per-device work (Megatron's ``f``).
 
   Identity in the forward pass; in the backward pass the per-device cotangents
   are summed with one all-reduce. Call it once on an activation that feeds
   several column-parallel layers (q, k, v) so that backward does one all-reduce,
   not one per layer. A no-op on values that already vary along the axis.
+  Several axes (``("data", "context")``): one all-reduce over all of them in backward.
   """
+  if isinstance(axis_name, tuple):
+    live = tuple(n for n in _live_axes(x, axis_name, "copy_to_parallel")
+                 if not is_varying(x, n))
+    return jax.lax.pcast(x, live, to="varying") if live else x
   _require_bound(axis_name, "copy_to_parallel")
   return x if jax.lax.axis_size(axis_name) == 1 else _vary(x, axis_name)
 
@@ -78,15 +91,25 @@ def _vary(x: jax.Array, axis_name: str) -> jax.Array:
   return x if is_varying(x, axis_name) else jax.lax.pcast(x, axis_name, to="varying")
 
 
-def all_reduce(x: jax.Array, op: str = "sum", axis_name: str = MODEL_AXIS) -> jax.Array:
+def all_reduce(x: jax.Array, op: str = "sum",
+               axis_name: str | tuple[str, ...] = MODEL_AXIS) -> jax.Array:
   """Reduces ``x`` elementwise over ``axis_name``; every device gets the result.
 
   ``op`` is ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``. ``max``/``min`` are
   differentiable: the cotangent goes to the devices that hold the extremum,
-  split equally on ties (like ``jnp.max``).
+  split equally on ties (like ``jnp.max``). Several axes (``("data", "context")``,
+  sum only): one all-reduce over all of them.
   """
   if op not in _OPS:
     raise ValueError(f"unknown all_reduce op {op!r}; expected one of {_OPS}")
+  if isinstance(axis_name, tuple):
+    if op != "sum":
+      raise ValueError(f"all_reduce over several axes {axis_name} sums; got op={op!r}")
+    live = _live_axes(x, axis_name, "all_reduce")
+    if not live:
+      return x
+    x = copy_to_parallel(x, live)
+    return jax.lax.psum(x, live)
   _require_bound(axis_name, f"all_reduce(op={op!r})")
   if _is_trivial(x, axis_name):
     return x

@@ -50,7 +50,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import all_gather, axis_is_bound, copy_to_parallel, shard_index
-from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, split_over
+from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, split_over
 from flax_tp.param_info import FSDP_DIM, FSDP_PER_BLOCK, ParamInfo, record
 
 __all__ = ["FSDP_DIM", "FSDP_PER_BLOCK", "fsdp_dim", "gather_block", "gather_for_step",
@@ -59,6 +59,13 @@ __all__ = ["FSDP_DIM", "FSDP_PER_BLOCK", "fsdp_dim", "gather_block", "gather_for
 # FSDP_DIM, FSDP_PER_BLOCK: the metadata keys (flax_tp.param_info reads and writes them)
 # of the param dimension split over "data" (and maybe "model"), and of a block's param
 # (gathered by gather_block, not gather_for_step: one block's params whole at a time).
+
+
+def batch_axes() -> tuple[str, ...]:
+  """Inside a ``shard_map``: the bound axes whose devices hold different tokens of the
+  step (``"data"``, and ``"context"`` on a mesh with one), over which a replicated
+  param's gradient is summed, in one all-reduce."""
+  return tuple(a for a in (DATA_AXIS, CONTEXT_AXIS) if axis_is_bound(a))
 
 
 def global_rows(local_batch: int) -> jax.Array:
@@ -197,7 +204,10 @@ def _gathered(var: nnx.Variable) -> nnx.Variable:
   def gather(x):
     if over_model:  # invariant over "model": backward keeps this device's slice
       x = all_gather(x, axis=dim, axis_name=MODEL_AXIS)
-    return jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
+    x = jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
+    # Replicated over "context" (a mesh with one): per-replica once, so its gradient
+    # is summed over context once before the reduce-scatter over data.
+    return copy_to_parallel(x, CONTEXT_AXIS) if axis_is_bound(CONTEXT_AXIS) else x
 
   return var.replace(jax.checkpoint(gather)(var[...]))
 
@@ -214,14 +224,15 @@ def gather_for_step(params: nnx.State, *, per_replica: bool = True) -> nnx.State
   reduce-scattered over ``"data"``. Those recorded as a block's (``FSDP_PER_BLOCK``)
   are left split: the block runner gathers them block by block (``gather_block``), so
   one block's params are whole at a time. Every other param is marked per-replica
-  (``copy_to_parallel``): its gradient is all-reduced over ``"data"`` once.
+  (``copy_to_parallel``): its gradient is all-reduced over ``"data"`` once (over
+  ``"data"`` and ``"context"`` together on a mesh with a context axis: ``batch_axes``).
   ``per_replica=False`` (a batch replicated over ``"data"``, every shard computing the
   same): those are left invariant, so what is computed from them is too.
   """
   def one(var: nnx.Variable) -> nnx.Variable:
     info = ParamInfo.of(var)
     if not info.over_data:
-      return var.replace(copy_to_parallel(var[...], DATA_AXIS)) if per_replica else var
+      return var.replace(copy_to_parallel(var[...], batch_axes())) if per_replica else var
     if info.fsdp_per_block:
       return var
     return _gathered(var)

@@ -36,10 +36,20 @@ class Execution:
   remat: str = "none"  # "block" or a jax.checkpoint_policies name: recompute in backward
   scan_layers: bool = False  # jax.lax.scan over the blocks: compile time flat in depth
   fsdp: bool = False  # params, gradients, optimizer state split over "data" too (ZeRO-3)
+  # How attention sees other context shards' keys on a mesh with a context axis:
+  # "all_gather" (each device gathers k and v over "context"). "ring" is not built yet.
+  context_parallel: str = "all_gather"
 
   def __post_init__(self):
     if self.remat not in REMAT_CHOICES:
       raise ValueError(f"remat must be one of {REMAT_CHOICES}, got {self.remat!r}")
+    if self.context_parallel == "ring":
+      raise NotImplementedError(
+          "Execution(context_parallel='ring') is not built yet; 'all_gather' (the "
+          "default) is the context-parallel strategy flax_tp has")
+    if self.context_parallel != "all_gather":
+      raise ValueError(f"context_parallel must be 'all_gather' (or, later, 'ring'), got "
+                       f"{self.context_parallel!r}")
 
   def describe(self) -> list[str]:
     """The options in effect, in words (the training CLI's start-up line)."""

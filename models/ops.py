@@ -162,7 +162,9 @@ def _scores(q, k, scale, softcap):
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                      dropout_key: jax.Array | None, rate: float, rows: jax.Array,
                      heads: jax.Array, window: int | jax.Array | None = None,
-                     scale: float | None = None, softcap: float | None = None) -> jax.Array:
+                     scale: float | None = None, softcap: float | None = None,
+                     query_pos: jax.Array | None = None, key_pos: jax.Array | None = None,
+                     seq_len: int | None = None) -> jax.Array:
   """Softmax attention with a causal mask.
 
   q: ``[b, s, h, k]``; k, v: ``[b, s, g, k]`` with ``g`` dividing ``h`` (query head
@@ -177,7 +179,17 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   implementation: the same formula, scores in float32; a window is its mask).
   Dropout on the probabilities needs them materialised, which no fused kernel
   exposes, and no fused kernel here soft-caps, so those keep the explicit form.
+
+  query_pos ``[s]`` / key_pos ``[t]``: the queries' and keys' global positions when they
+  are not the same ``0 .. s-1`` (context parallelism: this device's queries over every
+  device's keys, ``k, v [b, t, g, k]``); the mask is then ``visible_keys`` of them, and
+  dropout's keep-mask is the whole ``seq_len`` sequence's, read at those positions (so
+  it does not depend on the split). Positions ``>= seq_len`` are padding.
   """
+  if query_pos is not None:
+    return _positioned_attention(q, k, v, query_pos, key_pos, seq_len,
+                                 dropout_key=dropout_key, rate=rate, rows=rows, heads=heads,
+                                 window=window, scale=scale, softcap=softcap)
   s = q.shape[1]
   mask = None
   if window is not None:
@@ -198,6 +210,29 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   probs = jax.nn.softmax(scores, axis=-1)
   probs = dropout(probs, dropout_key, rate, rows, heads).astype(v.dtype)
   return jnp.einsum("bhqt,bthk->bqhk", probs, v)
+
+
+def _positioned_attention(q, k, v, query_pos, key_pos, seq_len, *, dropout_key, rate, rows,
+                          heads, window, scale, softcap):
+  """``causal_attention`` of queries and keys at given global positions."""
+  mask = visible_keys(query_pos[:, None], key_pos[None, :], window)[None, None]
+  if (dropout_key is None or rate == 0.0) and softcap is None:
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+  group = q.shape[2] // k.shape[2]
+  if group > 1:
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1])) if scale is None else scale
+  scores = jnp.where(mask, _scores(q, k, scale, softcap), jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  if dropout_key is not None and rate > 0.0:
+    # The whole sequence's keep-mask [b, h, S, S] (as one device draws it), read at
+    # these queries' rows and these keys' columns; padding reads a real entry (clipped)
+    # that its zero weight (a key) or zero loss (a query) leaves unused.
+    keep = keep_mask(dropout_key, rate, rows, (seq_len, seq_len), heads)
+    keep = jnp.take(keep, jnp.minimum(query_pos, seq_len - 1), axis=2)
+    keep = jnp.take(keep, jnp.minimum(key_pos, seq_len - 1), axis=3)
+    probs = apply_keep(probs, keep, rate)
+  return jnp.einsum("bhqt,bthk->bqhk", probs.astype(v.dtype), v)
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,

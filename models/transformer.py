@@ -28,20 +28,22 @@ from flax_tp.collectives import is_varying
 from flax_tp.data_parallel import gather_for_step, global_rows, whole_over_data
 from flax_tp.params import place_on_mesh
 from flax_tp.remat import run_blocks
-from flax_tp.sequence import SequenceSplit
+from flax_tp.context import ContextSplit
+from flax_tp.sequence import ActivationLayout
 from models import execution as execution_lib, layer_kinds, ops
 from models.config import TransformerConfig
 from models.execution import Execution
 from models.ops import GATED
 
 
-def _dropout(x, key, rate, rows, seq=None):
-  """Residual/embedding dropout of ``x [b, s, d]``; under sequence parallelism the
-  mask is the whole sequence's (logical positions), cut to this device's block."""
-  if seq is None or key is None or rate == 0.0:
+def _dropout(x, key, rate, rows, layout=None):
+  """Residual/embedding dropout of ``x [b, n, d]``; with the sequence split (``layout``,
+  a ``flax_tp.sequence.ActivationLayout``) the mask is the whole sequence's (logical
+  positions), read at this device's slots."""
+  if layout is None or not layout.is_split or key is None or rate == 0.0:
     return ops.dropout(x, key, rate, rows)
-  keep = ops.keep_mask(key, rate, rows, (seq.layout.size,) + x.shape[2:])
-  return ops.apply_keep(x, seq.block(keep), rate)
+  keep = ops.keep_mask(key, rate, rows, (layout.logical_len,) + x.shape[2:])
+  return ops.apply_keep(x, layout.of_whole(keep), rate)
 
 
 class ParallelAttention(nnx.Module):
@@ -79,18 +81,29 @@ class ParallelAttention(nnx.Module):
     rotate = functools.partial(layer_kinds.rotate, self.cfg, positions=positions, layer=layer)
     return rotate(q), rotate(k), v
 
-  def __call__(self, x_bsd, key, layer, rows, seq=None):
+  def __call__(self, x_bsd, key, layer, rows, layout=None):
     """x: ``[b, s, d]`` replicated -> ``[b, s, d]`` replicated (after one all-reduce).
 
-    With sequence parallelism (``seq``), ``x`` is this device's block ``[b, s_pad,
-    d]``: one all-gather gives q, k and v the whole sequence, and the output
-    projection reduce-scatters back to the block.
+    ``layout`` (a ``flax_tp.sequence.ActivationLayout``): with sequence parallelism
+    ``x`` is this device's block ``[b, s_pad, d]``: one all-gather over "model" gives
+    q, k and v the device's tokens, and the output projection reduce-scatters back to
+    the block. With context parallelism those tokens are this device's two chunks of
+    the sequence at their global positions (rotary and the mask read them): its keys
+    and values, only the kv heads this model shard holds, are all-gathered over
+    "context" so that its queries see every earlier key.
     """
     cfg = self.cfg
-    if seq is not None:
-      x_bsd = seq.gather(x_bsd)
+    layout = layout or ActivationLayout()
+    x_bsd = layout.gather(x_bsd)
     b, s, _ = x_bsd.shape
-    q, k, v = self._project(x_bsd, layer)
+    q, k, v = self._project(x_bsd, layer, layout.positions())
+    positioned = {}
+    if layout.context is not None:
+      context = layout.context
+      k, v = context.gather(k), context.gather(v)
+      positioned = dict(query_pos=context.positions(),
+                        key_pos=jnp.asarray(context.gathered_positions, jnp.int32),
+                        seq_len=context.seq_len)
     device = flax_tp.shard_index(self.q.axis_name)
     grouped = cfg.kv_heads != cfg.num_heads
     if grouped:
@@ -105,13 +118,13 @@ class ParallelAttention(nnx.Module):
     out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
                                rate=cfg.dropout, rows=rows, heads=heads,
                                window=layer_kinds.window_of(cfg, layer),
-                               scale=cfg.attn_scale, softcap=cfg.attn_softcap)
+                               scale=cfg.attn_scale, softcap=cfg.attn_softcap, **positioned)
     if grouped:
       # A padded query head (zero q) would average real values: zero it, as
       # plain attention's padded heads (zero q, k and v) are.
       out = jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
     out = out.reshape(b, s, -1)
-    return self.o(out if seq is None else seq.for_scatter(out))
+    return self.o(layout.for_scatter(out))
 
   def extend(self, x_bsd, cache, positions, layer):
     """One cached step of block ``layer``: ``x [b, s, d]`` replicated at ``positions
@@ -154,19 +167,19 @@ class ParallelMLP(nnx.Module):
     self.down = flax_tp.RowParallelDense(cfg.d_ff, cfg.d_model, input_is_parallel=True, **kw)
     self.kind = cfg.mlp
 
-  def __call__(self, x_bsd, seq=None):
+  def __call__(self, x_bsd, layout=None):
     """``[b, s, d]`` replicated -> ``[b, s, d]`` replicated; GELU(0) = SiLU(0) = 0 keeps
-    padding at 0 (``ops.mlp_hidden``). With ``seq``, this device's sequence block in and out (one
-    all-gather in, one reduce-scatter out)."""
-    if seq is not None:
-      x_bsd = seq.gather(x_bsd)
+    padding at 0 (``ops.mlp_hidden``). With sequence parallelism (``layout.sequence``),
+    this device's sequence block in and out (one all-gather in, one reduce-scatter out)."""
+    layout = layout or ActivationLayout()
+    x_bsd = layout.gather(x_bsd)
     # gate and up as one matmul (one backward all-reduce, or with SP reduce-scatter)
     if self.kind in GATED:
       hidden = ops.mlp_hidden(self.kind, *flax_tp.fused_column_parallel((self.gate, self.up),
                                                                        x_bsd))
     else:
       hidden = ops.mlp_hidden(self.kind, None, self.up(x_bsd))
-    return self.down(hidden if seq is None else seq.for_scatter(hidden))
+    return self.down(layout.for_scatter(hidden))
 
 
 def moe_layer(cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs) -> flax_tp.MoE:
@@ -200,11 +213,11 @@ class ParallelBlock(nnx.Module):
   def is_moe(self) -> bool:
     return isinstance(self.mlp, flax_tp.MoE)
 
-  def _mlp(self, x_bsd, seq=None, dropless=False):
+  def _mlp(self, x_bsd, layout=None, dropless=False):
     """The MLP's output and, for a MoE, its router statistics (else None)."""
     if not self.is_moe:
-      return self.mlp(x_bsd, seq), None
-    return self.mlp(x_bsd, seq, dropless=dropless)
+      return self.mlp(x_bsd, layout), None
+    return self.mlp(x_bsd, None if layout is None else layout.sequence, dropless=dropless)
 
   def extend(self, x_bsd, cache, positions, layer):
     """Block ``layer`` on new tokens with a KV cache (no dropout: inference). A MoE
@@ -214,14 +227,14 @@ class ParallelBlock(nnx.Module):
     x_bsd = x_bsd + self._attn_out(attn)
     return x_bsd + self._mlp_out(self._mlp(self.ln2(x_bsd), dropless=True)[0]), cache
 
-  def __call__(self, x_bsd, key, layer, rows, seq=None):
-    """``[b, s, d]`` replicated, or with ``seq`` this device's block ``[b, s_pad, d]``
-    (norms, dropout and residuals then run on the block only). A MoE block returns
-    ``(x, RouterStats)``."""
-    drop = functools.partial(_dropout, rate=self.cfg.dropout, rows=rows, seq=seq)
-    attn = self._attn_out(self.attn(self.ln1(x_bsd), key, layer, rows, seq))
+  def __call__(self, x_bsd, key, layer, rows, layout=None):
+    """``[b, s, d]`` replicated, or split as ``layout`` says (an ``ActivationLayout``:
+    this device's SP block ``[b, s_pad, d]`` and/or its context slots; norms, dropout
+    and residuals then run on those only). A MoE block returns ``(x, RouterStats)``."""
+    drop = functools.partial(_dropout, rate=self.cfg.dropout, rows=rows, layout=layout)
+    attn = self._attn_out(self.attn(self.ln1(x_bsd), key, layer, rows, layout))
     x_bsd = x_bsd + drop(attn, ops.site_key(key, layer, ops.ATTN_OUT))
-    mlp, stats = self._mlp(self.ln2(x_bsd), seq)
+    mlp, stats = self._mlp(self.ln2(x_bsd), layout)
     x_bsd = x_bsd + drop(self._mlp_out(mlp), ops.site_key(key, layer, ops.MLP_OUT))
     return x_bsd if stats is None else (x_bsd, stats)
 
@@ -279,21 +292,30 @@ class Transformer(nnx.Module):
     # its own row number on every shard.
     rows = (global_rows(tokens_bs.shape[0]) if is_varying(tokens_bs, flax_tp.DATA_AXIS)
             else jnp.arange(tokens_bs.shape[0]))
-    seq = None
-    if self.execution.sequence_parallel:
-      seq = SequenceSplit.of(tokens_bs.shape[1], self.mesh.shape[flax_tp.MODEL_AXIS])
-      tokens_bs = seq.layout.pad(tokens_bs, 1)
-    x = ops.scale_embeddings(cfg, self.embed(tokens_bs))  # sequence parallel:
-    # reduce-scattered to this device's block
-    if seq is not None:
-      x = seq.zero_padding(x)
-    x = _dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout, rows, seq)
-    x, stats = self._blocks(x, dropout_key, rows, seq)
+    layout = self.activation_layout(tokens_bs.shape[1])
+    if layout.context is not None and cfg.has_experts:
+      raise NotImplementedError(
+          "a mixture-of-experts model on a mesh with a context axis is not built yet "
+          "(each context shard's tokens would need routing together); use a mesh "
+          "without one (e.g. DxM)")
+    x = ops.scale_embeddings(cfg, self.embed(layout.tokens(tokens_bs)))  # sequence
+    # parallel: reduce-scattered to this device's block
+    x = layout.zero_padding(x)
+    x = _dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout, rows, layout)
+    x, stats = self._blocks(x, dropout_key, rows, layout)
     x = self.ln_f(x)
-    x = flax_tp.copy_to_parallel(x) if seq is None else seq.gather(x)
+    x = flax_tp.copy_to_parallel(x) if layout.sequence is None else layout.gather(x)
     logits = ops.softcap_of(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
                             cfg.final_softcap)
     return (logits, stats) if return_router_stats else logits
+
+  def activation_layout(self, seq_len: int) -> ActivationLayout:
+    """Inside the step's map: how a sequence of ``seq_len`` tokens is split (over
+    "context" whenever that axis has more than one device; over "model" between
+    blocks under sequence parallelism). Its ``context`` says which positions this
+    device's logits are for (``ContextSplit.local`` of the labels lines them up)."""
+    return ActivationLayout.here(seq_len, sequence_parallel=self.execution.sequence_parallel,
+                                 model_size=self.mesh.shape[flax_tp.MODEL_AXIS])
 
   def _runs(self):
     """``(module, first layer, layers)`` per run of blocks: all the blocks (an
@@ -303,7 +325,7 @@ class Transformer(nnx.Module):
       return [(self.blocks, 0, self.cfg.num_layers)]
     return flax_tp.layer_runs(self.blocks)
 
-  def _blocks(self, x, key, rows, seq):
+  def _blocks(self, x, key, rows, layout):
     """The blocks in order (``flax_tp.remat.run_blocks``): a Python loop, or one
     ``lax.scan`` per stacked run of blocks; each recomputed in backward under ``remat``.
     Returns ``(x, the MoE layers' RouterStats summed, or None)``."""
@@ -312,7 +334,7 @@ class Transformer(nnx.Module):
     stats = None
     for blocks, first, count in self._runs():
       def call(block, x, layer, key, rows, first=first):
-        out = block(x, key, layer + first, rows, seq)
+        out = block(x, key, layer + first, rows, layout)
         return out if not moe or block.is_moe else (out, None)
 
       out = run_blocks(blocks, x, call, key, rows, num_layers=count,
@@ -387,9 +409,16 @@ def _standalone_logits(graphdef, mesh: Mesh, vocab_layout: flax_tp.ShardLayout, 
   (the blocks' inside each block); without FSDP nothing changes.
   """
   rows = flax_tp.DATA_AXIS if split else None
+
+  def logits_of(state, tokens, key):
+    logits = nnx.merge(graphdef, gather_for_step(state, per_replica=split))(
+        tokens, dropout_key=key)
+    context = ContextSplit.here(tokens.shape[1])
+    # Context parallel: each device's logits are its slots'; all of them, in order.
+    return logits if context is None else context.whole(logits)
+
   logits = jax.shard_map(
-      lambda s, t, k: nnx.merge(graphdef, gather_for_step(s, per_replica=split))(
-          t, dropout_key=k), mesh=mesh,
+      logits_of, mesh=mesh,
       in_specs=(nnx.get_partition_spec(state), P(rows), P()),
       out_specs=P(rows, None, flax_tp.MODEL_AXIS),
   )(state, tokens_bs, dropout_key)

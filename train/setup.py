@@ -41,6 +41,12 @@ def param_summary(params: nnx.State) -> dict[str, int]:
               replicated_bytes_per_device=replicated)
 
 
+def _roles(mesh) -> str:
+  """``data=2, context=2, model=2``: each role's devices (context only when split)."""
+  axes = flax_tp.MeshAxes.of(mesh)
+  return ", ".join(f"{role}={axes.size(role)}" for role in axes.axis_names)
+
+
 def _mib(n: int) -> str:
   return f"{n / 2**20:.2f} MiB"
 
@@ -73,6 +79,9 @@ class SetUp:
     if job.model.expert_capacity_factor is not None and not self.cfg.has_experts:
       raise UsageError(f"--expert-capacity-factor {job.model.expert_capacity_factor} is for a "
                        f"model with experts; this one has none")
+    if self.cfg.has_experts and flax_tp.MeshAxes.of(mesh).context > 1:
+      raise UsageError(f"--mesh {job.mesh} has a context axis, and a model with experts does "
+                       "not run on one yet; use a mesh without it (DxM)")
     if job.loss.router_z_loss and not self.cfg.has_experts:  # never a weight that does nothing
       raise UsageError(f"--router-z-loss {job.loss.router_z_loss} is for a model with experts "
                        "(it weighs their router's z-loss); this one has none")
@@ -151,7 +160,7 @@ class SetUp:
     devices = jax.devices()
     console.print(f"[bold]flax_tp[/bold] jax {jax.__version__} | {len(devices)} "
                   f"{devices[0].platform} device(s), {jax.process_count()} process(es) | mesh "
-                  f"{job.mesh} (data={data_size}, model={mesh.shape[flax_tp.MODEL_AXIS]})")
+                  f"{job.mesh} ({_roles(mesh)})")
     if jax.process_count() > 1:
       local_rows = all(len({d.process_index for d in row}) == 1 for row in mesh.devices)
       console.print(f"processes: {jax.process_count()} x {jax.local_device_count()} devices; "

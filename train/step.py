@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_tp
-from flax_tp.data_parallel import gather_for_step
+from flax_tp.data_parallel import batch_axes, gather_for_step
 from flax_tp.mesh import split_over
 from flax_tp.stack import stacked_layers
 from models.transformer import Transformer
@@ -206,16 +206,26 @@ class Trainer:
     else:
       logits = model(tokens[:, :-1], dropout_key=key)
     labels = tokens[:, 1:] if labels is None else labels
+    batch, seq_len = labels.shape
+    # Context parallel: this device's logits are its slots' (ContextSplit); the labels
+    # are lined up with them, a padding slot's left out of the loss (and its gradient).
+    context = model.activation_layout(seq_len).context
+    if context is not None:
+      fill = 0 if options.ignore_index is None else options.ignore_index
+      labels = context.local(labels, fill=fill)
     per_token = flax_tp.vocab_parallel_cross_entropy(
         logits, labels, vocab_size=self.cfg.vocab_size,
         label_smoothing=options.label_smoothing, z_loss=options.z_loss,
         ignore_index=options.ignore_index)
+    if context is not None:
+      per_token = jnp.where(context.real()[None], per_token, jnp.zeros((), per_token.dtype))
+    reduce_over = batch_axes()  # "data" (and "context"): one all-reduce
     if options.ignore_index is None:  # a static count: no communication
-      global_count = per_token.size * jax.lax.axis_size(flax_tp.DATA_AXIS)
+      global_count = batch * seq_len * jax.lax.axis_size(flax_tp.DATA_AXIS)
     else:
       kept = flax_tp.kept_token_count(labels, options.ignore_index)
-      global_count = jnp.maximum(flax_tp.all_reduce(kept, "sum", flax_tp.DATA_AXIS), 1.0)
-    loss = flax_tp.all_reduce(per_token.sum() / global_count, "sum", flax_tp.DATA_AXIS)
+      global_count = jnp.maximum(flax_tp.all_reduce(kept, "sum", reduce_over), 1.0)
+    loss = flax_tp.all_reduce(per_token.sum() / global_count, "sum", reduce_over)
     if stats is not None and router_losses:
       if self.cfg.router_aux_loss_coef:
         loss = loss + self.cfg.router_aux_loss_coef * flax_tp.load_balancing_loss(stats)

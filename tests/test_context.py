@@ -1,0 +1,170 @@
+"""The mesh's axes record and context parallelism, against one device (the reference).
+
+Every model test compares a context-parallel model with ``models/reference.py`` built
+from the same seed: logits, the loss and every gradient, at sequence lengths that ``2C``
+does not divide (padding), with the execution options and attention kinds that meet
+the context split (sequence parallelism, FSDP, scanned layers, remat, grouped-query
+attention, sliding windows, soft-capping, q/k norms, partial rotary, dropout).
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import assert_state_close
+
+import flax_tp
+from flax_tp.context import ContextSplit
+from flax_tp.hlo import collectives
+from models.config import TransformerConfig
+from models.execution import Execution
+from models.reference import ReferenceTransformer, reference_loss
+from models.transformer import Transformer
+from train.step import Trainer, make_optimizer
+
+SLIDING = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=3,
+               num_layers=2)
+
+
+# -- the record ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,roles,names", [
+    ("2x4", (2, 1, 4), ("data", "model")),
+    ("2x2x2", (2, 2, 2), ("data", "context", "model")),
+    ("data=2,context=2,model=2", (2, 2, 2), ("data", "context", "model")),
+    ("model=2, context=4", (1, 4, 2), ("data", "context", "model")),
+    ("model=8", (1, 1, 8), ("data", "model")),
+    ("2x1x4", (2, 1, 4), ("data", "model")),  # a one-device context axis is no axis
+    ((1, 8, 1), (1, 8, 1), ("data", "context", "model")),
+])
+def test_mesh_forms_build_one_record(spec, roles, names):
+  mesh = flax_tp.make_mesh(spec)
+  axes = flax_tp.MeshAxes.of(mesh)
+  assert (axes.data, axes.context, axes.model) == roles
+  assert mesh.axis_names == names
+  assert axes == flax_tp.MeshAxes.parse(spec)
+  # consecutive devices share "model", then "context"
+  assert [d.id for d in mesh.devices.flat] == [d.id for d in jax.devices()[:axes.devices]]
+  assert axes.batch_axes == tuple(n for n in names if n != "model")
+
+
+def test_a_mesh_without_context_is_the_two_axis_mesh_of_before():
+  assert flax_tp.make_mesh("2x1x4") == flax_tp.make_mesh("2x4")
+  assert flax_tp.parse_mesh_spec("data=2,model=4") == (2, 4)
+  with pytest.raises(ValueError, match="context axis of 2"):
+    flax_tp.parse_mesh_spec("2x2x2")
+
+
+@pytest.mark.parametrize("seq_len,parts", [(13, 2), (16, 4), (5, 3), (1, 4), (17, 8)])
+def test_split_holds_every_position_once_head_and_tail(seq_len, parts):
+  split = ContextSplit(seq_len, parts)
+  order = split.order
+  assert order.shape == (parts, split.local_len)
+  assert sorted(order.ravel().tolist()) == list(range(split.padded_len))
+  assert split.padded_len >= seq_len > split.padded_len - 2 * parts
+  for i in range(parts):  # device i: chunks i and 2C-1-i
+    chunks = order[i].reshape(2, split.chunk) // split.chunk
+    assert chunks[:, 0].tolist() == [i, 2 * parts - 1 - i]
+
+
+# -- the model against one device ----------------------------------------------------
+
+
+def _check_against_reference(mesh_spec, seq_len, cfg_options=None, execution=None,
+                             dropout_key=None):
+  cfg = TransformerConfig.tiny(**(cfg_options or {}))
+  tokens = jax.random.randint(jax.random.key(1), (4, seq_len + 1), 0, cfg.vocab_size)
+  reference = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  model = Transformer(cfg, mesh=flax_tp.make_mesh(mesh_spec), rngs=nnx.Rngs(0),
+                      execution=execution or Execution())
+  assert_state_close(model, reference, rtol=0, atol=0)  # the same params from the seed
+
+  logits = jax.jit(lambda t: model(t))(tokens[:, :-1])
+  assert logits.shape == (4, seq_len, cfg.vocab_size)
+  np.testing.assert_allclose(logits, reference(tokens[:, :-1]), rtol=1e-5, atol=1e-5)
+
+  trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
+  loss, grads = trainer.loss_and_grads(
+      trainer.params, jax.device_put(tokens, trainer.batch_sharding), dropout_key)
+  graphdef, params = nnx.split(reference, nnx.Param)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(
+      lambda p: reference_loss(nnx.merge(graphdef, p), tokens, dropout_key=dropout_key)))(params)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  assert_state_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
+
+
+FAST = [
+    ("1x2x4", 13, {}, Execution()),
+    ("2x2x2", 13, {}, Execution(sequence_parallel=True)),
+    ("1x3x2", 17, dict(num_kv_heads=3, qk_norm=True, norm="rmsnorm", mlp="swiglu"),
+     Execution(fsdp=True, sequence_parallel=True)),
+]
+SLOW = [
+    ("1x4x2", 14, dict(num_kv_heads=2, rotary_fraction=0.5), Execution(scan_layers=True)),
+    ("1x8x1", 11, dict(num_kv_heads=2), Execution(remat="block")),
+    ("2x3x1", 14, dict(attn_softcap=5.0, **SLIDING),
+     Execution(scan_layers=True, remat="block", fsdp=True)),
+    ("2x2x2", 15, dict(rotary_fraction=0.5, num_kv_heads=2),
+     Execution(fsdp=True, scan_layers=True, sequence_parallel=True)),
+    ("1x2x4", 9, dict(tie_embeddings=False, **SLIDING), Execution(sequence_parallel=True)),
+]
+
+
+@pytest.mark.parametrize("mesh_spec,seq_len,options,execution",
+                         FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in SLOW])
+def test_context_parallel_model_is_the_one_device_model(mesh_spec, seq_len, options, execution):
+  _check_against_reference(mesh_spec, seq_len, options, execution)
+
+
+@pytest.mark.parametrize("mesh_spec,options", [
+    ("1x8x1", dict(num_kv_heads=2)),
+    pytest.param("2x3x1", dict(attn_softcap=5.0, **SLIDING), marks=pytest.mark.slow),
+])
+def test_dropout_masks_do_not_depend_on_the_context_split(mesh_spec, options):
+  _check_against_reference(mesh_spec, 11, dict(dropout=0.1, **options),
+                           dropout_key=jax.random.key(3))
+
+
+def test_context_collectives_are_the_kv_gathers_and_one_gradient_reduction():
+  """On 2x2x2, over "context" the compiled step holds one all-gather of k and one of v
+  per block (forward), their transposes (reduce-scatters, backward), and one all-reduce
+  over ("data", "context"): the gradients and the loss, together with data parallelism's."""
+  layers = 2
+  cfg = TransformerConfig.tiny(num_layers=layers)
+  mesh = flax_tp.make_mesh("2x2x2")
+  trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)),
+                    make_optimizer(lr=1e-3, steps=1))
+  tokens = jax.random.randint(jax.random.key(1), (8, 14), 0, cfg.vocab_size)
+  hlo = trainer.train_step.lower(trainer.params, trainer.init_opt_state(trainer.params),
+                                 jax.device_put(tokens, trainer.batch_sharding),
+                                 None).compile().as_text()
+  found = collectives(hlo, mesh)
+  over_context = [c for c in found if "context" in c.axes]
+  split = ContextSplit(13, 2)
+  kv_bytes = 4 * split.local_len * (cfg.num_heads // 2) * cfg.head_dim * 4  # b=4 rows, f32
+  gathers = [c for c in over_context if c.kind == "all-gather"]
+  scatters = [c for c in over_context if c.kind == "reduce-scatter"]
+  reduces = [c for c in over_context if c.kind == "all-reduce"]
+  assert len(gathers) == 2 * layers and all(c.axes == ("context",) for c in gathers)
+  assert {c.bytes for c in gathers} == {2 * kv_bytes}  # the gathered k (or v)
+  assert len(scatters) == 2 * layers and {c.bytes for c in scatters} == {kv_bytes}
+  assert len(reduces) == 1 and reduces[0].axes == ("data", "context")
+  assert len(over_context) == 4 * layers + 1
+  # no collective over "data" alone is left: its reduction is the shared one
+  assert not [c for c in found if c.axes == ("data",)]
+
+
+def test_a_mixture_of_experts_on_a_context_mesh_is_refused_by_name():
+  cfg = TransformerConfig.preset("moe-tiny")
+  model = Transformer(cfg, mesh=flax_tp.make_mesh("1x2x4"), rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match="context axis"):
+    model(np.zeros((2, 8), np.int32))
+
+
+def test_the_strategy_is_a_field_and_ring_is_refused_by_name():
+  assert Execution().context_parallel == "all_gather"
+  with pytest.raises(NotImplementedError, match="ring"):
+    Execution(context_parallel="ring")
+  with pytest.raises(ValueError, match="'gather'"):
+    Execution(context_parallel="gather")
