@@ -287,3 +287,34 @@ def test_export_never_writes_over_another_model(tmp_path, capsys):
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "already holds a model (config.json)" in err, err
   assert (out / "config.json").read_text() == "{}"
+
+
+@pytest.mark.slow
+def test_a_context_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
+  """--mesh 2x2x2 logs the losses --mesh 2x4 does (same global batch), and its
+  checkpoint resumes on 1x8 (no param depends on the context axis)."""
+  from helpers import logged_losses
+
+  def run(mesh, name, steps, *extra):
+    metrics = tmp_path / f"{name}.jsonl"
+    out = subprocess.run([*RUN, *TINY_RUN_FLAGS, "--mesh", mesh, "--steps", str(steps),
+                          "--metrics-file", str(metrics), *extra],
+                         capture_output=True, text=True, env=env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout, logged_losses(metrics)
+
+  def ckpt(name):
+    return ["--checkpoint-dir", str(tmp_path / name), "--checkpoint-every", "2"]
+
+  stdout, context = run("2x2x2", "context", 4, *ckpt("context"))
+  assert "(data=2, context=2, model=2)" in stdout
+  _, plain = run("2x4", "plain", 4, *ckpt("plain"))
+  assert len(context) == len(plain) >= 4
+  assert context == pytest.approx(plain, rel=1e-5)
+  # Resumed on 1x8 (the run goes on to 6 steps, a schedule of its own), each continues
+  # as the other does.
+  stdout, from_context = run("1x8", "from_context", 6, *ckpt("context"), "--resume")
+  assert "resumed from step 4" in stdout
+  _, from_plain = run("1x8", "from_plain", 6, *ckpt("plain"), "--resume")
+  assert len(from_context) == len(from_plain) == 2  # steps 5 and 6
+  assert from_context == pytest.approx(from_plain, rel=1e-5)
