@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from flax_tp.collectives import gather_to_parallel, shard_index
+from flax_tp.context import ContextSplit
 from flax_tp.partition import ShardLayout
 
 
@@ -62,7 +63,7 @@ class ActivationLayout:
   (``sequence.layout.padded_size``).
   """
 
-  context: "ContextSplit | None" = None
+  context: ContextSplit | None = None
   sequence: SequenceSplit | None = None
 
   @classmethod
@@ -70,7 +71,6 @@ class ActivationLayout:
            ) -> ActivationLayout:
     """The layout inside the step's map for a sequence of ``seq_len`` tokens: split over
     context whenever the context axis has more than one device."""
-    from flax_tp.context import ContextSplit
     context = ContextSplit.here(seq_len)
     local = context.local_len if context is not None else seq_len
     sequence = SequenceSplit.of(local, model_size) if sequence_parallel else None

@@ -25,10 +25,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import flax_tp
 from flax_tp.collectives import is_varying
+from flax_tp.context import ContextSplit
 from flax_tp.data_parallel import gather_for_step, global_rows, whole_over_data
 from flax_tp.params import place_on_mesh
 from flax_tp.remat import run_blocks
-from flax_tp.context import ContextSplit
 from flax_tp.sequence import ActivationLayout
 from models import execution as execution_lib, layer_kinds, ops
 from models.config import TransformerConfig
