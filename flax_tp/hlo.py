@@ -48,6 +48,10 @@ def _groups(line: str) -> list[tuple[int, ...]] | None:
     if iota[4]:
       ids = ids.transpose([int(p) for p in iota[4].split(",")])
     return [tuple(g) for g in ids.reshape(int(iota[1]), int(iota[2])).tolist()]
+  pairs = re.search(r"source_target_pairs=\{(\{[\d,{}]*\})\}", line)
+  if pairs:  # a collective-permute: the devices its pairs connect, as groups
+    return _connected([tuple(int(i) for i in p.split(","))
+                       for p in re.findall(r"\{(\d+,\d+)\}", pairs[1])])
   named = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
                     r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}", line)
   if named:  # a mesh of named axes over iota device ids; groups span the listed axes
@@ -64,6 +68,16 @@ def _groups(line: str) -> list[tuple[int, ...]] | None:
     return [tuple(g.ravel().tolist())
             for g in ids.reshape(-1, int(np.prod([sizes[a] for a in spanned])))]
   return None
+
+
+def _connected(pairs: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+  """The groups of devices that ``pairs`` (source, target) link, each sorted."""
+  group = {}
+  for a, b in pairs:
+    merged = group.get(a, {a}) | group.get(b, {b})
+    for i in merged:
+      group[i] = merged
+  return sorted({tuple(sorted(g)) for g in group.values()})
 
 
 def _axes(groups: list[tuple[int, ...]] | None, mesh: Mesh) -> tuple[str, ...]:
