@@ -31,24 +31,36 @@ def context_size() -> int:
   return jax.lax.axis_size(CONTEXT_AXIS) if axis_is_bound(CONTEXT_AXIS) else 1
 
 
+# How attention reaches the other context devices' keys: every device all-gathers k
+# and v over "context" (MaxText's default and its fastest at 32K), or the k/v blocks
+# travel around the ring of devices (flax_tp.ring_attention: two blocks in memory
+# whatever C, C-1 steps of communication overlapping the work).
+STRATEGIES = ("all_gather", "ring")
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextSplit:
-  """How a sequence of ``seq_len`` tokens is split over ``parts`` context devices."""
+  """How a sequence of ``seq_len`` tokens is split over ``parts`` context devices, and
+  how attention reaches the others' keys (``strategy``, one of ``STRATEGIES``)."""
 
   seq_len: int
   parts: int
+  strategy: str = "all_gather"
 
   def __post_init__(self):
     if self.seq_len < 1 or self.parts < 1:
       raise ValueError(f"ContextSplit needs a positive length and part count, got "
                        f"seq_len={self.seq_len}, parts={self.parts}")
+    if self.strategy not in STRATEGIES:
+      raise ValueError(f"context-parallel strategy must be one of {STRATEGIES}, got "
+                       f"{self.strategy!r}")
 
   @classmethod
-  def here(cls, seq_len: int) -> ContextSplit | None:
+  def here(cls, seq_len: int, strategy: str = "all_gather") -> ContextSplit | None:
     """The split inside a ``shard_map`` whose context axis has more than one device;
     None otherwise (the whole sequence on every device)."""
     parts = context_size()
-    return cls(seq_len, parts) if parts > 1 else None
+    return cls(seq_len, parts, strategy) if parts > 1 else None
 
   @property
   def chunk(self) -> int:

@@ -15,6 +15,13 @@ layer's bias) has each model shard split over ``"data"``. The optimizer's moment
 follow the params' sharding, so params, gradients and Adam state all take
 ``1 / (D * M)`` of the whole per device.
 
+On a mesh with a ``"context"`` axis (``C`` devices holding other tokens of the same
+rows, which need the same params) FSDP splits over ``("data", "context")`` together,
+``D * C`` ways (``fsdp_axes``): ``1 / (D * C * M)`` per device, one all-gather over
+both axes per param and one reduce-scatter of its gradient, summed over every device
+that saw other tokens. A param those ``D * C`` devices divide nowhere is split over
+``"data"`` alone where that divides it (and its gradient summed over context first).
+
 In a step (``train.step.Trainer``), ``gather_for_step`` runs inside the step's
 ``shard_map``; the params that ``shard_over_data(..., per_block=...)`` recorded as a
 block's (``FSDP_PER_BLOCK``) are left split there, and the block runner
@@ -46,6 +53,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -53,7 +61,7 @@ from flax_tp.collectives import all_gather, axis_is_bound, copy_to_parallel, sha
 from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, split_over
 from flax_tp.param_info import FSDP_DIM, FSDP_PER_BLOCK, ParamInfo, record
 
-__all__ = ["FSDP_DIM", "FSDP_PER_BLOCK", "fsdp_dim", "gather_block", "gather_for_step",
+__all__ = ["FSDP_DIM", "FSDP_PER_BLOCK", "fsdp_axes", "fsdp_dim", "gather_block", "gather_for_step",
            "global_rows", "shard_over_data", "unshard_over_data", "whole_over_data"]
 
 # FSDP_DIM, FSDP_PER_BLOCK: the metadata keys (flax_tp.param_info reads and writes them)
@@ -108,15 +116,41 @@ def _within_model_shards(info: ParamInfo, data_size: int) -> int | None:
   return dim
 
 
+def fsdp_axes(mesh) -> tuple[str, ...]:
+  """The axes FSDP splits params over on ``mesh``: ``"data"``, and ``"context"`` with it
+  when the mesh has one (every device holding other tokens holds another slice)."""
+  return tuple(a for a in (DATA_AXIS, CONTEXT_AXIS) if a in mesh.axis_names)
+
+
+def _placement(info: ParamInfo, var: nnx.Variable, axes: tuple[str, ...], mesh):
+  """Where ``var`` splits over ``axes``: ``(dim, that dim's mesh axes)``, or None. Whole
+  under tensor parallelism (a norm's scale): over ``axes`` and ``"model"`` together if
+  their devices divide a dim; else over ``axes`` on a free dim; else (a column layer's
+  bias) each model shard over ``axes``."""
+  size = int(np.prod([mesh.shape[a] for a in axes]))
+  both = size * mesh.shape.get(MODEL_AXIS, 1)
+  if not any(info.names) and both > size:
+    dim = fsdp_dim(var, both)
+    if dim is not None:
+      return dim, (*axes, MODEL_AXIS)
+  dim = fsdp_dim(var, size)
+  if dim is not None:
+    return dim, axes if len(axes) > 1 else axes[0]
+  dim = _within_model_shards(info, size)
+  return None if dim is None else (dim, (MODEL_AXIS, *axes))
+
+
 def shard_over_data(module: nnx.Module, *, per_block: tuple[nnx.Module, ...] = ()
                     ) -> list[str]:
   """Splits every param of ``module`` that lives on a mesh with a ``"data"`` axis over
-  that axis too, in place (see the module docstring). The params of the submodules
-  ``per_block`` (a model's blocks: an ``nnx.List`` of them, or their stacked module) are
-  recorded as gathered by their block (``FSDP_PER_BLOCK``): whoever runs the blocks must
-  call ``gather_block`` on each (``flax_tp.remat.run_blocks`` does). Returns the paths
-  of the params left replicated over ``"data"`` (no dimension it divides), for the
-  caller to report."""
+  that axis too (and over ``"context"`` with it on a mesh with one: ``fsdp_axes``), in
+  place (see the module docstring). The params of the submodules ``per_block`` (a
+  model's blocks: an ``nnx.List`` of them, or their stacked module) are recorded as
+  gathered by their block (``FSDP_PER_BLOCK``): whoever runs the blocks must call
+  ``gather_block`` on each (``flax_tp.remat.run_blocks`` does). A param that the data x
+  context devices divide nowhere is split over ``"data"`` alone where that divides it.
+  Returns the paths of the params left replicated over ``"data"`` (no dimension it
+  divides), for the caller to report."""
   kept = []
   in_blocks = {id(var) for sub in per_block for _, var in nnx.to_flat_state(
       nnx.state(sub, nnx.Param))}
@@ -128,32 +162,38 @@ def shard_over_data(module: nnx.Module, *, per_block: tuple[nnx.Module, ...] = (
                        f"{DATA_AXIS!r} axis (see flax_tp.replicate_on_mesh)")
     if info.over_data or info.over_experts:  # experts: already split over "data"
       continue
-    size = mesh.shape[DATA_AXIS]
-    if split_over(DATA_AXIS, size) is None:  # one device: nothing to split
+    if split_over(DATA_AXIS, mesh.shape[DATA_AXIS]) is None:  # one device: nothing to split
       continue
     new = list(names) + [None] * (var[...].ndim - len(names))
-    both = size * mesh.shape.get(MODEL_AXIS, 1)
-    # Whole under tensor parallelism (a norm's scale): split over both axes if it can be.
-    dim = fsdp_dim(var, both) if not any(new) and both > size else None
-    axes: Any = (DATA_AXIS, MODEL_AXIS)
-    if dim is None:
-      dim, axes = fsdp_dim(var, size), DATA_AXIS
-    if dim is None:  # only the model-split dim (a column layer's bias): split its shards
-      dim, axes = _within_model_shards(info, size), (MODEL_AXIS, DATA_AXIS)
-    if dim is None:
+    axes = fsdp_axes(mesh)
+    where = _placement(info, var, axes, mesh)
+    if where is None and len(axes) > 1:
+      where = _placement(info, var, (DATA_AXIS,), mesh)
+    if where is None:
       kept.append(".".join(map(str, path)))
       continue
-    new[dim] = axes
+    dim, new[dim] = where
     var.set_value(jax.device_put(var[...], NamedSharding(mesh, P(*new))))
     record(var, names=tuple(new), fsdp_dim=dim, fsdp_per_block=id(var) in in_blocks)
   return kept
+
+
+def _split_axes(entry) -> tuple[tuple[str, ...], bool]:
+  """Of an FSDP dim's mesh axes (``names[fsdp_dim]``): the data (and context) axes it
+  is gathered over, and whether it is whole under tensor parallelism (``"model"``
+  after them, so gathered over ``"model"`` too)."""
+  entry = (entry,) if isinstance(entry, str) else tuple(entry)
+  axes = tuple(a for a in entry if a in (DATA_AXIS, CONTEXT_AXIS))
+  return axes, entry[0] != MODEL_AXIS and MODEL_AXIS in entry
 
 
 def _names_whole_over_data(info: ParamInfo) -> tuple:
   """A split param's ``out_sharding`` with its ``"data"`` split taken out."""
   names = list(info.names)
   dim = info.fsdp_dim
-  names[dim] = MODEL_AXIS if names[dim] == (MODEL_AXIS, DATA_AXIS) else None
+  entry = names[dim]
+  # ("model", "data", ...): a model shard split over data; anything else was whole
+  names[dim] = MODEL_AXIS if not isinstance(entry, str) and entry[0] == MODEL_AXIS else None
   return tuple(names)
 
 
@@ -196,18 +236,23 @@ def _gathered(var: nnx.Variable) -> nnx.Variable:
   ``jax.checkpoint``; a layer's slice of a stacked param too (its dims shift by one)."""
   info = ParamInfo.of(var)
   names, dim = info.names, info.fsdp_dim
-  # ("data", "model"): whole under tensor parallelism, so gathered over "model" too;
-  # "data", or ("model", "data") (a model shard split over "data"): over "data" only.
-  over_model = names[dim] == (DATA_AXIS, MODEL_AXIS)
+  # ("data", ["context",] "model"): whole under tensor parallelism, so gathered over
+  # "model" too; "data" / ("data", "context"), or ("model", "data", ...) (a model
+  # shard split over them): over the data (and context) axes only.
+  axes, over_model = _split_axes(names[dim])
   dim -= len(names) - var[...].ndim  # a scanned layer's slice of a stacked param
 
   def gather(x):
     if over_model:  # invariant over "model": backward keeps this device's slice
       x = all_gather(x, axis=dim, axis_name=MODEL_AXIS)
-    x = jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
-    # Replicated over "context" (a mesh with one): per-replica once, so its gradient
-    # is summed over context once before the reduce-scatter over data.
-    return copy_to_parallel(x, CONTEXT_AXIS) if axis_is_bound(CONTEXT_AXIS) else x
+    # One gather over data (and context): its transpose reduce-scatters the gradient,
+    # summed over every device that holds other tokens.
+    x = jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+    if CONTEXT_AXIS not in axes and axis_is_bound(CONTEXT_AXIS):
+      # Split over data alone, replicated over "context": per-replica once, so its
+      # gradient is summed over context before the reduce-scatter over data.
+      x = copy_to_parallel(x, CONTEXT_AXIS)
+    return x
 
   return var.replace(jax.checkpoint(gather)(var[...]))
 

@@ -5,7 +5,7 @@ Each of the ``C`` context devices holds its two chunks of the sequence (``Contex
 all-gathering every device's k and v, the k/v blocks travel around the ring of context
 devices with ``ppermute`` (device ``i`` sends to ``i + 1``): at step ``j`` device ``i``
 holds device ``(i - j) mod C``'s block and folds it into an online softmax kept in
-float32 (running max ``m``, sum ``l`` and unnormalised output ``o``, merged exactly as
+float32 (running max ``m``, denominator and unnormalised output ``o``, merged exactly as
 the log-sum-exp of the whole row), so no device ever holds more than two blocks.
 
 Work is done per pair of chunks (a query chunk and a key chunk): a pair wholly masked
@@ -141,7 +141,7 @@ def _forward(spec, q, k, v, kv_index, window, keep_rows):
   qpos, _ = _block_positions(spec, 0)
   like = (q, k, v, kv_index, window, keep_rows)
   m = _varying_like(jnp.full((b, h, length), _NEG, jnp.float32), *like)
-  l = _varying_like(jnp.zeros((b, h, length), jnp.float32), *like)
+  denom = _varying_like(jnp.zeros((b, h, length), jnp.float32), *like)
   o = _varying_like(jnp.zeros((b, length, h, d), jnp.float32), *like)
   kv = jnp.stack([k, v])
   for step in range(parts):
@@ -149,8 +149,8 @@ def _forward(spec, q, k, v, kv_index, window, keep_rows):
     for qs, ks in _pairs(spec):
       seen = _visible(spec, qpos[qs], kpos[ks], window)
 
-      def fold(carry, kv_pair=kv[:, :, ks], qs=qs, ks=ks, seen=seen):
-        m, l, o = carry
+      def fold(carry, kv_pair=kv[:, :, ks], qs=qs, ks=ks, kpos=kpos, seen=seen):
+        m, denom, o = carry
         kc, vc = (jnp.take(t, kv_index, axis=2) for t in kv_pair)
         s, _ = _scores(spec, q[:, qs], kc)
         s = jnp.where(seen, s, _NEG)
@@ -163,13 +163,13 @@ def _forward(spec, q, k, v, kv_index, window, keep_rows):
         o_new = (o[:, qs] * jnp.swapaxes(fix, 1, 2)[..., None]
                  + jnp.einsum("bhqt,bthd->bqhd", pv, vc.astype(jnp.float32)))
         return (m.at[:, :, qs].set(m_new),
-                l.at[:, :, qs].set(l[:, :, qs] * fix + p.sum(-1)),
+                denom.at[:, :, qs].set(denom[:, :, qs] * fix + p.sum(-1)),
                 o.at[:, qs].set(o_new))
 
-      m, l, o = jax.lax.cond(seen.any(), fold, lambda carry: carry, (m, l, o))
+      m, denom, o = jax.lax.cond(seen.any(), fold, lambda carry: carry, (m, denom, o))
     if step < parts - 1:
       kv = _shift(kv)
-  safe = jnp.where(l > 0, l, 1.0)  # a row that sees nothing (padding): output 0
+  safe = jnp.where(denom > 0, denom, 1.0)  # a row that sees nothing (padding): output 0
   out = o / jnp.swapaxes(safe, 1, 2)[..., None]
   return out.astype(q.dtype), m + jnp.log(safe)
 
@@ -209,7 +209,7 @@ def _ring_bwd(spec, saved, d_out):
     for qs, ks in _pairs(spec):
       seen = _visible(spec, qpos[qs], kpos[ks], window)
 
-      def unfold(carry, kv_pair=kv[:, :, ks], qs=qs, ks=ks, seen=seen):
+      def unfold(carry, kv_pair=kv[:, :, ks], qs=qs, ks=ks, kpos=kpos, seen=seen):
         dq, dkv = carry
         kc, vc = (jnp.take(t, kv_index, axis=2) for t in kv_pair)
         qc, doc = q[:, qs], d_out[:, qs]

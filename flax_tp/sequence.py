@@ -67,11 +67,12 @@ class ActivationLayout:
   sequence: SequenceSplit | None = None
 
   @classmethod
-  def here(cls, seq_len: int, *, sequence_parallel: bool, model_size: int
-           ) -> ActivationLayout:
+  def here(cls, seq_len: int, *, sequence_parallel: bool, model_size: int,
+           context_parallel: str = "all_gather") -> ActivationLayout:
     """The layout inside the step's map for a sequence of ``seq_len`` tokens: split over
-    context whenever the context axis has more than one device."""
-    context = ContextSplit.here(seq_len)
+    context whenever the context axis has more than one device, its attention by the
+    ``context_parallel`` strategy (``flax_tp.context.STRATEGIES``)."""
+    context = ContextSplit.here(seq_len, context_parallel)
     local = context.local_len if context is not None else seq_len
     sequence = SequenceSplit.of(local, model_size) if sequence_parallel else None
     return cls(context, sequence)

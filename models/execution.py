@@ -26,6 +26,7 @@ from typing import Any
 from flax import nnx
 
 import flax_tp
+from flax_tp.context import STRATEGIES as CONTEXT_STRATEGIES
 from flax_tp.data_parallel import shard_over_data
 from flax_tp.remat import REMAT_CHOICES
 
@@ -37,18 +38,15 @@ class Execution:
   scan_layers: bool = False  # jax.lax.scan over the blocks: compile time flat in depth
   fsdp: bool = False  # params, gradients, optimizer state split over "data" too (ZeRO-3)
   # How attention sees other context shards' keys on a mesh with a context axis:
-  # "all_gather" (each device gathers k and v over "context"). "ring" is not built yet.
+  # "all_gather" (each device gathers k and v over "context") or "ring" (k/v blocks
+  # passed around the context devices: flax_tp.ring_attention).
   context_parallel: str = "all_gather"
 
   def __post_init__(self):
     if self.remat not in REMAT_CHOICES:
       raise ValueError(f"remat must be one of {REMAT_CHOICES}, got {self.remat!r}")
-    if self.context_parallel == "ring":
-      raise NotImplementedError(
-          "Execution(context_parallel='ring') is not built yet; 'all_gather' (the "
-          "default) is the context-parallel strategy flax_tp has")
-    if self.context_parallel != "all_gather":
-      raise ValueError(f"context_parallel must be 'all_gather' (or, later, 'ring'), got "
+    if self.context_parallel not in CONTEXT_STRATEGIES:
+      raise ValueError(f"context_parallel must be one of {CONTEXT_STRATEGIES}, got "
                        f"{self.context_parallel!r}")
 
   def describe(self) -> list[str]:
@@ -56,7 +54,9 @@ class Execution:
     return [name for name, on in (("sequence parallel", self.sequence_parallel),
                                   (f"remat {self.remat}", self.remat != "none"),
                                   ("scanned layers", self.scan_layers),
-                                  ("FSDP over data", self.fsdp)) if on]
+                                  ("FSDP over data", self.fsdp),
+                                  ("ring attention over context",
+                                   self.context_parallel == "ring")) if on]
 
 
 def set_sequence_parallel(model: Any, on: bool) -> None:

@@ -140,6 +140,16 @@ def apply_keep(x: jax.Array, keep: jax.Array, rate: float) -> jax.Array:
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype)).astype(x.dtype)
 
 
+def keep_rows(key: jax.Array, rate: float, rows: jax.Array, heads: jax.Array,
+              query_pos: jax.Array, seq_len: int) -> jax.Array:
+  """``[b, h, q, seq_len]`` bool: the rows at ``query_pos [q]`` of the whole sequence's
+  keep-mask on the attention probabilities (``[b, h, seq_len, seq_len]``, as one device
+  draws it), so that no split of the sequence changes which entries drop. A padding
+  query (``>= seq_len``) reads the last row, which its zero loss leaves unused."""
+  keep = keep_mask(key, rate, rows, (seq_len, seq_len), heads)
+  return jnp.take(keep, jnp.minimum(query_pos, seq_len - 1), axis=2)
+
+
 def visible_keys(query_pos: jax.Array, key_pos: jax.Array,
                  window: int | jax.Array | None) -> jax.Array:
   """Which keys each query sees: ``key_pos <= query_pos``, and with a sliding
@@ -228,8 +238,7 @@ def _positioned_attention(q, k, v, query_pos, key_pos, seq_len, *, dropout_key, 
     # The whole sequence's keep-mask [b, h, S, S] (as one device draws it), read at
     # these queries' rows and these keys' columns; padding reads a real entry (clipped)
     # that its zero weight (a key) or zero loss (a query) leaves unused.
-    keep = keep_mask(dropout_key, rate, rows, (seq_len, seq_len), heads)
-    keep = jnp.take(keep, jnp.minimum(query_pos, seq_len - 1), axis=2)
+    keep = keep_rows(dropout_key, rate, rows, heads, query_pos, seq_len)
     keep = jnp.take(keep, jnp.minimum(key_pos, seq_len - 1), axis=3)
     probs = apply_keep(probs, keep, rate)
   return jnp.einsum("bhqt,bthk->bqhk", probs.astype(v.dtype), v)

@@ -29,6 +29,7 @@ from flax_tp.context import ContextSplit
 from flax_tp.data_parallel import gather_for_step, global_rows, whole_over_data
 from flax_tp.params import place_on_mesh
 from flax_tp.remat import run_blocks
+from flax_tp.ring_attention import ring_attention
 from flax_tp.sequence import ActivationLayout
 from models import execution as execution_lib, layer_kinds, ops
 from models.config import TransformerConfig
@@ -97,28 +98,42 @@ class ParallelAttention(nnx.Module):
     x_bsd = layout.gather(x_bsd)
     b, s, _ = x_bsd.shape
     q, k, v = self._project(x_bsd, layer, layout.positions())
-    positioned = {}
-    if layout.context is not None:
-      context = layout.context
-      k, v = context.gather(k), context.gather(v)
-      positioned = dict(query_pos=context.positions(),
-                        key_pos=jnp.asarray(context.gathered_positions, jnp.int32),
-                        seq_len=context.seq_len)
     device = flax_tp.shard_index(self.q.axis_name)
     grouped = cfg.kv_heads != cfg.num_heads
+    # The local kv head each local query head reads: query head i reads kv head
+    # i // (h / g) when this device's query heads are whole groups over its kv heads,
+    # in order (each kv head read once for its group); where replicated kv heads
+    # straddle its groups, each query head's own (KVHeadLayout's index).
+    kv_index = jnp.arange(q.shape[2]) // (q.shape[2] // k.shape[2])
     if grouped:
       index, real = (jnp.asarray(t)[device] for t in self.k.layout.kv_for_query_heads)
       if not self.k.layout.groups_line_up:
-        # Replicated kv heads straddle this device's groups: each query head's own.
-        k, v = jnp.take(k, index, axis=2), jnp.take(v, index, axis=2)
-      # (else the local query heads are whole groups over the local kv heads, in
-      # order, and attention reads each kv head once for its group)
+        kv_index = index
     first_head = jnp.asarray(self.q.layout.offsets)[device]
     heads = first_head // cfg.head_dim + jnp.arange(q.shape[2])
-    out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
-                               rate=cfg.dropout, rows=rows, heads=heads,
-                               window=layer_kinds.window_of(cfg, layer),
-                               scale=cfg.attn_scale, softcap=cfg.attn_softcap, **positioned)
+    dropout_key = ops.site_key(key, layer, ops.ATTN_PROBS)
+    options = dict(window=layer_kinds.window_of(cfg, layer), scale=cfg.attn_scale,
+                   softcap=cfg.attn_softcap)
+    context = layout.context
+    if context is not None and context.strategy == "ring":
+      # k and v stay where they are: their blocks travel the ring of context devices.
+      keep_rows = None
+      if dropout_key is not None and cfg.dropout > 0.0:
+        keep_rows = ops.keep_rows(dropout_key, cfg.dropout, rows, heads, context.positions(),
+                                  context.seq_len)
+      out = ring_attention(q, k, v, kv_index, split=context, keep_rows=keep_rows,
+                           rate=cfg.dropout, **options)
+    else:
+      positioned = {}
+      if context is not None:  # every context device's keys, at their positions
+        k, v = context.gather(k), context.gather(v)
+        positioned = dict(query_pos=context.positions(),
+                          key_pos=jnp.asarray(context.gathered_positions, jnp.int32),
+                          seq_len=context.seq_len)
+      if grouped and not self.k.layout.groups_line_up:
+        k, v = jnp.take(k, kv_index, axis=2), jnp.take(v, kv_index, axis=2)
+      out = ops.causal_attention(q, k, v, dropout_key=dropout_key, rate=cfg.dropout,
+                                 rows=rows, heads=heads, **options, **positioned)
     if grouped:
       # A padded query head (zero q) would average real values: zero it, as
       # plain attention's padded heads (zero q, k and v) are.
@@ -315,7 +330,8 @@ class Transformer(nnx.Module):
     blocks under sequence parallelism). Its ``context`` says which positions this
     device's logits are for (``ContextSplit.local`` of the labels lines them up)."""
     return ActivationLayout.here(seq_len, sequence_parallel=self.execution.sequence_parallel,
-                                 model_size=self.mesh.shape[flax_tp.MODEL_AXIS])
+                                 model_size=self.mesh.shape[flax_tp.MODEL_AXIS],
+                                 context_parallel=self.execution.context_parallel)
 
   def _runs(self):
     """``(module, first layer, layers)`` per run of blocks: all the blocks (an

@@ -291,8 +291,9 @@ def test_export_never_writes_over_another_model(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_context_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
-  """--mesh 2x2x2 logs the losses --mesh 2x4 does (same global batch), and its
-  checkpoint resumes on 1x8 (no param depends on the context axis)."""
+  """--mesh 2x2x2 logs the losses --mesh 2x4 does (same global batch), with either
+  context-parallel strategy, and its checkpoint resumes on 1x8 (no param depends on
+  the context axis)."""
   from helpers import logged_losses
 
   def run(mesh, name, steps, *extra):
@@ -311,6 +312,9 @@ def test_a_context_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
   _, plain = run("2x4", "plain", 4, *ckpt("plain"))
   assert len(context) == len(plain) >= 4
   assert context == pytest.approx(plain, rel=1e-5)
+  stdout, ring = run("2x2x2", "ring", 4, "--context-parallel", "ring")
+  assert "ring attention over context" in stdout
+  assert ring == pytest.approx(plain, rel=1e-5)
   # Resumed on 1x8 (the run goes on to 6 steps, a schedule of its own), each continues
   # as the other does.
   stdout, from_context = run("1x8", "from_context", 6, *ckpt("context"), "--resume")

@@ -109,21 +109,52 @@ SLOW = [
      Execution(fsdp=True, scan_layers=True, sequence_parallel=True)),
     ("1x2x4", 9, dict(tie_embeddings=False, **SLIDING), Execution(sequence_parallel=True)),
 ]
+RING = "ring"  # Execution(context_parallel=RING): the k/v blocks go around the ring
+FAST_RING = [
+    ("2x2x2", 13, dict(num_kv_heads=2), Execution(context_parallel=RING,
+                                                  sequence_parallel=True)),
+]
+SLOW_RING = [
+    ("1x3x2", 17, dict(num_kv_heads=3, qk_norm=True, norm="rmsnorm", mlp="swiglu"),
+     Execution(context_parallel=RING, fsdp=True, sequence_parallel=True)),
+    ("1x4x2", 14, dict(num_kv_heads=2, rotary_fraction=0.5),
+     Execution(context_parallel=RING, scan_layers=True, remat="block")),
+    ("2x3x1", 14, dict(attn_softcap=5.0, **SLIDING),
+     Execution(context_parallel=RING, scan_layers=True, remat="block", fsdp=True)),
+    ("1x8x1", 11, dict(num_kv_heads=2, tie_embeddings=False),
+     Execution(context_parallel=RING)),
+]
 
 
 @pytest.mark.parametrize("mesh_spec,seq_len,options,execution",
-                         FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in SLOW])
+                         FAST + FAST_RING + [pytest.param(*case, marks=pytest.mark.slow)
+                                             for case in SLOW + SLOW_RING])
 def test_context_parallel_model_is_the_one_device_model(mesh_spec, seq_len, options, execution):
   _check_against_reference(mesh_spec, seq_len, options, execution)
 
 
-@pytest.mark.parametrize("mesh_spec,options", [
-    ("1x8x1", dict(num_kv_heads=2)),
-    pytest.param("2x3x1", dict(attn_softcap=5.0, **SLIDING), marks=pytest.mark.slow),
+@pytest.mark.parametrize("mesh_spec,options,strategy", [
+    ("1x8x1", dict(num_kv_heads=2), "all_gather"),
+    pytest.param("2x3x1", dict(attn_softcap=5.0, **SLIDING), "all_gather",
+                 marks=pytest.mark.slow),
+    pytest.param("1x4x2", dict(num_kv_heads=3, **SLIDING), RING, marks=pytest.mark.slow),
 ])
-def test_dropout_masks_do_not_depend_on_the_context_split(mesh_spec, options):
+def test_dropout_masks_do_not_depend_on_the_context_split(mesh_spec, options, strategy):
   _check_against_reference(mesh_spec, 11, dict(dropout=0.1, **options),
+                           Execution(context_parallel=strategy),
                            dropout_key=jax.random.key(3))
+
+
+def _step_collectives(cfg, execution, mesh_spec="2x2x2"):
+  """The collectives of a compiled train step on ``mesh_spec``, batch 8 x 13 tokens."""
+  mesh = flax_tp.make_mesh(mesh_spec)
+  trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0), execution=execution),
+                    make_optimizer(lr=1e-3, steps=1))
+  tokens = jax.random.randint(jax.random.key(1), (8, 14), 0, cfg.vocab_size)
+  hlo = trainer.train_step.lower(trainer.params, trainer.init_opt_state(trainer.params),
+                                 jax.device_put(tokens, trainer.batch_sharding),
+                                 None).compile().as_text()
+  return collectives(hlo, mesh)
 
 
 def test_context_collectives_are_the_kv_gathers_and_one_gradient_reduction():
@@ -132,14 +163,7 @@ def test_context_collectives_are_the_kv_gathers_and_one_gradient_reduction():
   over ("data", "context"): the gradients and the loss, together with data parallelism's."""
   layers = 2
   cfg = TransformerConfig.tiny(num_layers=layers)
-  mesh = flax_tp.make_mesh("2x2x2")
-  trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)),
-                    make_optimizer(lr=1e-3, steps=1))
-  tokens = jax.random.randint(jax.random.key(1), (8, 14), 0, cfg.vocab_size)
-  hlo = trainer.train_step.lower(trainer.params, trainer.init_opt_state(trainer.params),
-                                 jax.device_put(tokens, trainer.batch_sharding),
-                                 None).compile().as_text()
-  found = collectives(hlo, mesh)
+  found = _step_collectives(cfg, Execution())
   over_context = [c for c in found if "context" in c.axes]
   split = ContextSplit(13, 2)
   kv_bytes = 4 * split.local_len * (cfg.num_heads // 2) * cfg.head_dim * 4  # b=4 rows, f32
@@ -155,6 +179,27 @@ def test_context_collectives_are_the_kv_gathers_and_one_gradient_reduction():
   assert not [c for c in found if c.axes == ("data",)]
 
 
+def test_ring_collectives_are_the_block_shifts_and_one_gradient_reduction():
+  """On 2x2x2 (C = 2) the ring moves each block's stacked k/v once forward (C - 1
+  shifts) and its gradient home backward (C); the backward's own C - 1 shifts of k/v
+  are, at C = 2 only, the forward's (both rings swap the two devices' blocks), and XLA
+  keeps the forward's one block instead. Nothing is gathered over "context"; the
+  gradients share data parallelism's one all-reduce."""
+  layers = 2
+  cfg = TransformerConfig.tiny(num_layers=layers)
+  found = _step_collectives(cfg, Execution(context_parallel=RING))
+  over_context = [c for c in found if "context" in c.axes]
+  split = ContextSplit(13, 2)
+  block = 2 * 4 * split.local_len * (cfg.num_heads // 2) * cfg.head_dim * 4  # k+v, b=4
+  shifts = [c for c in over_context if c.kind == "collective-permute"]
+  assert len(shifts) == (1 + 2) * layers
+  assert {(c.axes, c.bytes) for c in shifts} == {(("context",), block)}
+  reduces = [c for c in over_context if c.kind == "all-reduce"]
+  assert len(reduces) == 1 and reduces[0].axes == ("data", "context")
+  assert len(over_context) == len(shifts) + 1
+  assert not [c for c in found if c.axes == ("data",)]
+
+
 def test_a_mixture_of_experts_on_a_context_mesh_is_refused_by_name():
   cfg = TransformerConfig.preset("moe-tiny")
   model = Transformer(cfg, mesh=flax_tp.make_mesh("1x2x4"), rngs=nnx.Rngs(0))
@@ -162,9 +207,8 @@ def test_a_mixture_of_experts_on_a_context_mesh_is_refused_by_name():
     model(np.zeros((2, 8), np.int32))
 
 
-def test_the_strategy_is_a_field_and_ring_is_refused_by_name():
+def test_the_strategy_is_a_field_named_in_its_error():
   assert Execution().context_parallel == "all_gather"
-  with pytest.raises(NotImplementedError, match="ring"):
-    Execution(context_parallel="ring")
-  with pytest.raises(ValueError, match="'gather'"):
+  assert "ring attention over context" in Execution(context_parallel=RING).describe()
+  with pytest.raises(ValueError, match=r"one of \('all_gather', 'ring'\), got 'gather'"):
     Execution(context_parallel="gather")

@@ -72,8 +72,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("mesh_spec,seq_len", [("1x4x1", 13), ("2x2x2", 8), ("1x8x1", 7)])
-@pytest.mark.parametrize("case", list(CASES))
+FAST = {("1x4x1", 13, "plain"), ("1x4x1", 13, "all")}
+
+
+@pytest.mark.parametrize("mesh_spec,seq_len,case", [
+    pytest.param(mesh, n, case, marks=() if (mesh, n, case) in FAST else pytest.mark.slow)
+    for mesh, n in [("1x4x1", 13), ("2x2x2", 8), ("1x8x1", 7)] for case in CASES])
 def test_ring_gives_one_devices_attention_and_gradients(mesh_spec, seq_len, case):
   mesh = flax_tp.make_mesh(mesh_spec)
   q, k, v, weights = _inputs(seq_len)

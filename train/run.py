@@ -32,8 +32,10 @@ from train.errors import (
 if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there is one line
   exit_on_interrupt("train/run.py")
 
+from flax_tp.context import STRATEGIES as CONTEXT_STRATEGIES
 from flax_tp.remat import REMAT_CHOICES
 from models.config import TransformerConfig
+from models.execution import Execution
 from train import distributed as train_distributed
 from train.cli import INT_MAX, SEED_LIMIT, UsageParser, exit_ladder, one_line
 from train.devices import provide_mesh_devices
@@ -104,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--remat", default="none", choices=REMAT_CHOICES,
                  help="recompute each block in the backward pass: 'block' saves nothing, "
                       "or a jax.checkpoint_policies name (on CPU, with --scan-layers)")
+  p.add_argument("--context-parallel", default=Execution.context_parallel,
+                 choices=CONTEXT_STRATEGIES,
+                 help="on a mesh with a context axis (DxCxM), how attention reaches the other "
+                      "context shards' keys: all_gather them, or pass k/v blocks around a "
+                      "ring (memory of two blocks whatever C); same results")
   p.add_argument("--fsdp", action="store_true",
                  help="also split params, gradients and optimizer state over the data axis "
                       "(ZeRO-3/FSDP): per-device memory / D; same results")

@@ -13,6 +13,7 @@ import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError
 from flax_tp.param_info import ParamInfo
 from models.config import TransformerConfig
+from models.execution import Execution
 from train.data import TokenCorpus
 from train.errors import UsageError
 from train.hf_folder import hf_model_and_tokenizer
@@ -189,6 +190,10 @@ class SetUp:
         notes.append(f"note: --fsdp leaves {len(whole)} param(s) replicated over the "
                      f"{data_size}-way data axis, which divides none of their dimensions: "
                      f"{', '.join(whole[:4])}{' ...' if len(whole) > 4 else ''}")
+    if self.execution.context_parallel != Execution.context_parallel and \
+        flax_tp.MeshAxes.of(mesh).context == 1:
+      notes.append(f"note: --context-parallel {self.execution.context_parallel} has nothing "
+                   f"to do on mesh {job.mesh}, which has no context axis (DxCxM names one)")
     for note in notes:
       console.print(note, markup=False)
     if self.start:
