@@ -26,6 +26,13 @@ padding rows out of the statistics, then gathers the tokens and their routing ov
 reduce-scattered back to the block instead of all-reduced. The replicated router and
 shared-expert gate so see each token once, and their gradients need no extra sum.
 
+Under context parallelism (``MoE(x, seq, context=split)``, ``x`` this device's slots of
+the sequence) the experts stay split over ``"data"`` and replicated over ``"context"``:
+each context shard dispatches its own tokens over ``"data"`` as above, its padding slots
+routed nowhere and left out of the statistics (sum them over data and context). A
+capacity's drops are decided over the whole batch from the routing alone, gathered over
+both axes, so they are one device's (``_context_routing``).
+
 With a ``capacity_factor`` each expert takes at most ``expert_capacity`` of the choices
 one dispatch sees, chosen by a drop policy (``capacity_swiglu``), and runs them as
 batched matmuls of static shape ``[E_local, capacity, d]``; the drops are counted.
@@ -67,9 +74,10 @@ from flax_tp.collectives import (
   reduce_scatter,
   shard_index,
 )
+from flax_tp.context import ContextSplit
 from flax_tp.layer import ParallelModule, map_mesh
 from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_parallel
-from flax_tp.mesh import DATA_AXIS, MODEL_AXIS, split_over
+from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, split_over
 from flax_tp.padding import masked
 from flax_tp.param_info import MESH_KEY, NAMES_KEY, keys_of
 from flax_tp.params import place, sharded_param
@@ -216,6 +224,25 @@ def capacity_is_capped(tokens: int, top_k: int, num_experts: int, factor: float)
   return factor * top_k / num_experts * tokens > tokens
 
 
+def expert_queues(flat: Array, ranked: Array, position: Array, policy: str,
+                  num_queues: int) -> tuple[Array, Array, Array]:
+  """The drop policy's queues: ``m`` choices (``flat [m]``, each one's queue in ``0 ..
+  num_queues``, ``num_queues`` for none; ``ranked [m]``, its ``rank_weight``;
+  ``position [m]``, distinct, its token's place in the batch times ``k`` plus its place
+  among the token's choices) sorted by queue, then for ``"probs"`` by weight (largest
+  first), then by position. Returns ``(order [m], the sorted queues [m], each sorted
+  choice's place in its queue [m])``: a queue keeps its first ``capacity``."""
+  if policy == "probs":
+    order = jnp.lexsort((position, -ranked, flat))
+  else:
+    order = jnp.lexsort((position, flat))
+  sorted_queues = flat[order]
+  sizes = jnp.bincount(flat, length=num_queues + 1)
+  starts = jnp.cumsum(sizes) - sizes
+  rank = jnp.arange(flat.shape[0]) - starts[sorted_queues]
+  return order, sorted_queues, rank
+
+
 def capacity_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Array,
                     down: Array, capacity: int, policy: str,
                     precision: Any = None) -> tuple[Array, Array]:
@@ -234,15 +261,8 @@ def capacity_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Arr
   num_local, d = gate.shape[0], x.shape[-1]
   n, k = slots.shape
   flat, w = slots.reshape(-1), weights.reshape(-1)
-  index = jnp.arange(n * k)
-  if policy == "probs":  # by expert, then by weight (largest first), then by position
-    order = jnp.lexsort((index, -rank_weight(w), flat))
-  else:
-    order = jnp.argsort(flat, stable=True)
-  sorted_slots = flat[order]
-  sizes = jnp.bincount(flat, length=num_local + 1)
-  starts = jnp.cumsum(sizes) - sizes
-  rank = index - starts[sorted_slots]  # place in its expert's queue
+  order, sorted_slots, rank = expert_queues(flat, rank_weight(w), jnp.arange(n * k), policy,
+                                            num_local)
   routed_here = sorted_slots < num_local
   kept = routed_here & (rank < capacity)
   outside = num_local * capacity
@@ -372,13 +392,18 @@ class MoE(ParallelModule):
     weights, experts, probs = route(logits, self.top_k, self.normalize_top_k)
     return weights, experts, router_stats(logits, probs, experts, valid)
 
-  def _local(self, x: Array, seq: SequenceSplit | None = None,
-             dropless: bool = False) -> tuple[Array, RouterStats]:
+  def _local(self, x: Array, seq: SequenceSplit | None = None, dropless: bool = False,
+             context: ContextSplit | None = None) -> tuple[Array, RouterStats]:
     compute_dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
+    # Context parallel: this device's slots hold tokens of the sequence, the padding
+    # slots past its end none (ContextSplit.real): those are routed nowhere and left out
+    # of the statistics.
+    real = None if context is None else context.real()  # [local_len]
     if seq is None:
       shape = x.shape
       tokens = x.reshape(-1, self.d_model)
-      weights, experts, stats = self._route(tokens)
+      valid = None if real is None else jnp.broadcast_to(real, shape[:-1]).reshape(-1)
+      weights, experts, stats = self._route(tokens, valid)
     else:
       # Sequence parallelism: x [b, s_pad, d] is this device's block of the sequence.
       # Each device routes its own block (the replicated router and gate then get each
@@ -386,8 +411,10 @@ class MoE(ParallelModule):
       # tokens and their routing are gathered to the whole sequence [b, s, d], as the
       # dense MLP gathers its input.
       b, s_pad, _ = x.shape
-      valid = jnp.broadcast_to(seq.layout.local_mask(shard_index(self.axis_name))[None],
-                               (b, s_pad)).reshape(-1)
+      mask = seq.layout.local_mask(shard_index(self.axis_name))
+      if real is not None:
+        mask = mask & seq.block(real[None])[0]
+      valid = jnp.broadcast_to(mask[None], (b, s_pad)).reshape(-1)
       weights, experts, stats = self._route(x.reshape(-1, self.d_model), valid)
       stats = stats.all_reduce(self.axis_name)
       weights, experts = (seq.gather(t.reshape(b, s_pad, -1)) for t in (weights, experts))
@@ -395,9 +422,14 @@ class MoE(ParallelModule):
       shape = whole.shape
       tokens = whole.reshape(-1, self.d_model)
       weights, experts = weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k)
+      valid = None if real is None else jnp.broadcast_to(real, shape[:-1]).reshape(-1)
+    routed, context_dropped = None, None
+    if context is not None:
+      routed, context_dropped = self._context_routing(x, weights, experts, valid, shape[0],
+                                                      context, dropless)
     y, dropped = self._routed(tokens.astype(compute_dtype), weights.astype(compute_dtype),
-                              experts, compute_dtype, dropless)
-    stats = stats._replace(dropped=dropped)
+                              experts, compute_dtype, dropless, routed)
+    stats = stats._replace(dropped=dropped if context_dropped is None else context_dropped)
     y = y.reshape(shape[:-1] + (self.d_model,))
     if seq is None:
       y = all_reduce(y, "sum", self.axis_name)
@@ -408,12 +440,59 @@ class MoE(ParallelModule):
                            x.astype(compute_dtype), seq)
     return y, stats
 
+  def _context_routing(self, x: Array, weights: Array, experts: Array, valid: Array,
+                       rows: int, context: ContextSplit,
+                       dropless: bool) -> tuple[Array, Array]:
+    """Context parallel: which of this device's choices (``weights, experts [n, k]`` of
+    its ``n = rows * local_len`` slots, ``valid [n]`` those holding a token) go to their
+    experts, ``[n, k]`` bool, and how many of them a capacity dropped.
+
+    Dropless, every real token's choices go. With a capacity the drop rule must be the
+    one device's, over the whole batch (else what drops would depend on C): the
+    routing alone (``[n, k]`` experts and weights, not the tokens) is all-gathered over
+    the devices holding other tokens, every device runs the policy's queues over all of
+    it, each token ranked by its global (row, position), padding in no queue, and keeps
+    its own slots' verdicts. The kept choices then run dropless (``grouped_swiglu``):
+    the capacity decides what drops, not the buffers' shape."""
+    k = self.top_k
+    routed = jnp.broadcast_to(valid[:, None], experts.shape)
+    if self.capacity_factor is None or dropless:
+      return routed, jnp.zeros((), jnp.float32)
+    axes = tuple(a for a in (DATA_AXIS, CONTEXT_AXIS) if is_varying(x, a))
+    first_row = shard_index(DATA_AXIS) * rows if DATA_AXIS in axes else 0
+    row = first_row + jnp.arange(rows)
+    token = (row[:, None] * context.padded_len + context.positions()[None, :]).reshape(-1)
+    position = token[:, None] * k + jnp.arange(k)[None, :]  # [n, k], distinct
+    queue = jnp.where(routed, experts, self.num_experts)
+    ranked = rank_weight(jax.lax.stop_gradient(weights))
+    everyone = [jax.lax.all_gather(t, axes, axis=0, tiled=True)
+                for t in (queue, ranked, position)]
+    tokens = rows * context.seq_len * math.prod(jax.lax.axis_size(a) for a in axes
+                                                if a != CONTEXT_AXIS)
+    capacity = expert_capacity(tokens, k, self.num_experts, self.capacity_factor)
+    order, sorted_queues, rank = expert_queues(*(t.reshape(-1) for t in everyone),
+                                               self.drop_policy, self.num_experts)
+    kept_sorted = (sorted_queues < self.num_experts) & (rank < capacity)
+    kept = jnp.zeros(kept_sorted.shape, bool).at[order].set(kept_sorted)
+    # This device's block of the gathered order (row-major over ``axes``).
+    block = 0
+    for a in axes:
+      block = block * jax.lax.axis_size(a) + shard_index(a)
+    mine = jax.lax.dynamic_slice_in_dim(kept.reshape(-1, k), block * queue.shape[0],
+                                        queue.shape[0])
+    dropped = jnp.sum(routed & ~mine).astype(jnp.float32)
+    if is_varying(dropped, self.axis_name):  # sequence parallel: equal on every device
+      dropped = jax.lax.pmax(dropped, self.axis_name)
+    return routed & mine, dropped
+
   def _routed(self, xc: Array, weights: Array, experts: Array, compute_dtype: Any,
-              dropless: bool) -> tuple[Array, Array]:
+              dropless: bool, routed: Array | None = None) -> tuple[Array, Array]:
     """This data shard's tokens ``xc [n, d]`` with their routing ``weights, experts
     [n, k]`` through the experts: ``[n, d]``, this device's partial sum over
     ``"model"`` (the caller reduces it), and how many choices this shard's experts
-    dropped (zero without a capacity)."""
+    dropped (zero without a capacity). ``routed [n, k]`` (context parallel): the
+    choices that go to their experts, all of them run dropless; the others add nothing
+    (``_context_routing`` decided)."""
     layout = self.expert_layout
     spread = layout.parts > 1  # the experts are split over "data"
     # Each data shard has its own tokens (the step's case): every shard's tokens come
@@ -424,14 +503,17 @@ class MoE(ParallelModule):
       xc = gather_to_parallel(xc, axis=0, axis_name=DATA_AXIS)
       weights = gather_to_parallel(weights, axis=0, axis_name=DATA_AXIS)
       experts = jax.lax.all_gather(experts, DATA_AXIS, axis=0, tiled=True)
+      if routed is not None:
+        routed = jax.lax.all_gather(routed, DATA_AXIS, axis=0, tiled=True)
     offsets = jnp.asarray(layout.offsets, jnp.int32)
     owner = jnp.searchsorted(offsets, experts, side="right") - 1
     here = shard_index(DATA_AXIS) if spread else 0
-    slots = jnp.where(owner == here, experts - offsets[owner], layout.padded_size)
+    mine = owner == here if routed is None else (owner == here) & routed
+    slots = jnp.where(mine, experts - offsets[owner], layout.padded_size)
     gate, up, down = (w.astype(compute_dtype) for w in self._local_experts())
     xc = copy_to_parallel(xc, self.axis_name)
     dropped = jnp.zeros((), jnp.float32)
-    if self.capacity_factor is None or dropless:
+    if self.capacity_factor is None or dropless or routed is not None:
       y = grouped_swiglu(xc, slots, weights, gate, up, down, self.precision)
     else:
       capacity = expert_capacity(xc.shape[0], self.top_k, self.num_experts,
@@ -444,7 +526,8 @@ class MoE(ParallelModule):
       y = reduce_scatter(y, axis=0, axis_name=DATA_AXIS)
     elif spread:
       y = all_reduce(y, "sum", DATA_AXIS)
-      if self.capacity_factor is not None and not dropless:  # each shard its own experts'
+      if self.capacity_factor is not None and not dropless and routed is None:
+        # each shard its own experts'
         dropped = all_reduce(dropped, "sum", DATA_AXIS)
     return y, dropped
 
@@ -468,10 +551,16 @@ class MoE(ParallelModule):
   # -- standalone ------------------------------------------------------------------
 
   def __call__(self, x: Array, seq: SequenceSplit | None = None, *,
-               dropless: bool = False) -> tuple[Array, RouterStats]:
+               dropless: bool = False,
+               context: ContextSplit | None = None) -> tuple[Array, RouterStats]:
     """``seq`` (inside a ``shard_map``, sequence parallelism): ``x [b, s_pad, d]`` is this
     device's block of the sequence, split as ``seq`` says (padding rows zero), and so is
     the output; the statistics are still this data shard's whole sequence's.
+    ``context`` (inside a ``shard_map`` with a context axis, context parallelism):
+    ``x [b, local_len, d]`` is this device's slots of the sequence (``seq``, if given,
+    then splits those); the padding slots are routed nowhere and counted in no
+    statistic, and a capacity drops what it drops on one device (``_context_routing``).
+    The statistics are this device's tokens': sum them over data and context.
     ``dropless``: ignore ``capacity_factor`` (a decode step routes as transformers does)."""
     if x.shape[-1] != self.d_model:
       raise ValueError(f"MoE expects inputs [..., {self.d_model}], got {tuple(x.shape)}")
@@ -484,9 +573,18 @@ class MoE(ParallelModule):
         raise ValueError(f"MoE with sequence parallelism expects this device's block "
                          f"[b, {seq.layout.padded_size}, {self.d_model}] over {MODEL_AXIS!r}, "
                          f"got {tuple(x.shape)} over {self.axis_name!r}")
-      return self._local(x, seq, dropless)
-    if seq is not None:
-      raise ValueError("MoE(seq=...) is for a call inside a shard_map (sequence parallelism)")
+      if context is not None:
+        if not axis_is_bound(CONTEXT_AXIS):
+          raise ValueError(f"MoE(context=...) needs the {CONTEXT_AXIS!r} axis bound")
+        slots = seq.layout.size if seq is not None else x.shape[1] if x.ndim == 3 else None
+        if x.ndim != 3 or slots != context.local_len:
+          raise ValueError(f"MoE with context parallelism expects this device's "
+                           f"{context.local_len} slots [b, {context.local_len}, "
+                           f"{self.d_model}], got {tuple(x.shape)}")
+      return self._local(x, seq, dropless, context)
+    if seq is not None or context is not None:
+      raise ValueError("MoE(seq=..., context=...) is for a call inside a shard_map "
+                       "(sequence or context parallelism)")
     if math.prod(x.shape[:-1]) == 0:  # no tokens: an empty output, as nnx.Linear gives
       dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
       zero = jnp.zeros((), jnp.float32)

@@ -232,7 +232,9 @@ class ParallelBlock(nnx.Module):
     """The MLP's output and, for a MoE, its router statistics (else None)."""
     if not self.is_moe:
       return self.mlp(x_bsd, layout), None
-    return self.mlp(x_bsd, None if layout is None else layout.sequence, dropless=dropless)
+    if layout is None:
+      return self.mlp(x_bsd, dropless=dropless)
+    return self.mlp(x_bsd, layout.sequence, dropless=dropless, context=layout.context)
 
   def extend(self, x_bsd, cache, positions, layer):
     """Block ``layer`` on new tokens with a KV cache (no dropout: inference). A MoE
@@ -297,7 +299,9 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_bs, *, dropout_key=None, return_router_stats=False):
     """``return_router_stats`` (inside a map, a model with MoE layers): also the sum of
-    the MoE layers' ``flax_tp.moe.RouterStats`` over this data shard's tokens."""
+    the MoE layers' ``flax_tp.moe.RouterStats`` over this device's tokens (its data
+    shard's, and on a context mesh its context slots' holding a token): sum them over
+    ``batch_axes()``."""
     if not flax_tp.axis_is_bound(flax_tp.MODEL_AXIS):
       if return_router_stats:
         raise ValueError("return_router_stats is for a call inside the step's shard_map")
@@ -308,11 +312,6 @@ class Transformer(nnx.Module):
     rows = (global_rows(tokens_bs.shape[0]) if is_varying(tokens_bs, flax_tp.DATA_AXIS)
             else jnp.arange(tokens_bs.shape[0]))
     layout = self.activation_layout(tokens_bs.shape[1])
-    if layout.context is not None and cfg.has_experts:
-      raise NotImplementedError(
-          "a mixture-of-experts model on a mesh with a context axis is not built yet "
-          "(each context shard's tokens would need routing together); use a mesh "
-          "without one (e.g. DxM)")
     x = ops.scale_embeddings(cfg, self.embed(layout.tokens(tokens_bs)))  # sequence
     # parallel: reduce-scattered to this device's block
     x = layout.zero_padding(x)

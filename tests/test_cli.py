@@ -322,3 +322,29 @@ def test_a_context_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
   _, from_plain = run("1x8", "from_plain", 6, *ckpt("plain"), "--resume")
   assert len(from_context) == len(from_plain) == 2  # steps 5 and 6
   assert from_context == pytest.approx(from_plain, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_trains_on_a_context_mesh_as_on_2x4(tmp_path):
+  """moe-tiny with a capacity that drops: --mesh 2x2x2 logs the losses and the router
+  figures (load, drops) --mesh 2x4 does: each context shard's tokens are routed, and a
+  capacity drops what it drops over the whole batch."""
+  import json
+
+  def run(mesh):
+    metrics = tmp_path / f"{mesh}.jsonl"
+    out = subprocess.run([*RUN, *TINY_RUN_FLAGS, "--preset", "moe-tiny", "--seq-len", "13",
+                          "--expert-capacity-factor", "0.75", "--mesh", mesh, "--steps", "3",
+                          "--metrics-file", str(metrics)],
+                         capture_output=True, text=True, env=env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+
+  context, plain = run("2x2x2"), run("2x4")
+  assert len(context) == len(plain) == 3
+  figures = [k for k in plain[0] if "expert" in k or "router" in k]
+  assert any("dropped" in k for k in figures), figures
+  assert sum(r[k] for r in plain for k in figures if "dropped" in k) > 0  # drops happen
+  for one, other in zip(context, plain, strict=True):
+    for name in ["loss", *figures]:
+      assert one[name] == pytest.approx(other[name], rel=1e-5, abs=1e-7), name

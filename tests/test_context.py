@@ -72,8 +72,8 @@ def test_split_holds_every_position_once_head_and_tail(seq_len, parts):
 
 
 def _check_against_reference(mesh_spec, seq_len, cfg_options=None, execution=None,
-                             dropout_key=None):
-  cfg = TransformerConfig.tiny(**(cfg_options or {}))
+                             dropout_key=None, preset="tiny"):
+  cfg = TransformerConfig.preset(preset, **(cfg_options or {}))
   tokens = jax.random.randint(jax.random.key(1), (4, seq_len + 1), 0, cfg.vocab_size)
   reference = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
   model = Transformer(cfg, mesh=flax_tp.make_mesh(mesh_spec), rngs=nnx.Rngs(0),
@@ -200,11 +200,48 @@ def test_ring_collectives_are_the_block_shifts_and_one_gradient_reduction():
   assert not [c for c in found if c.axes == ("data",)]
 
 
-def test_a_mixture_of_experts_on_a_context_mesh_is_refused_by_name():
-  cfg = TransformerConfig.preset("moe-tiny")
-  model = Transformer(cfg, mesh=flax_tp.make_mesh("1x2x4"), rngs=nnx.Rngs(0))
-  with pytest.raises(NotImplementedError, match="context axis"):
-    model(np.zeros((2, 8), np.int32))
+# A mixture of experts on a context mesh: every context shard's tokens routed, the
+# padding slots in no expert's queue and no statistic, and a capacity's drops those of
+# one device over the whole batch (the load-balancing loss is in both losses).
+MOE = [
+    ("2x2x2", 13, {}, Execution()),
+    ("1x4x2", 13, dict(expert_capacity_factor=1.0), Execution(sequence_parallel=True)),
+]
+SLOW_MOE = [
+    ("2x2x2", 11, dict(expert_capacity_factor=0.75, expert_drop_policy="position"),
+     Execution(context_parallel=RING, sequence_parallel=True, scan_layers=True)),
+    ("2x3x1", 14, dict(expert_capacity_factor=1.0, shared_expert_d_ff=20),
+     Execution(fsdp=True, remat="block")),
+    ("4x2x1", 9, dict(expert_capacity_factor=1.25), Execution(context_parallel=RING)),
+]
+
+
+@pytest.mark.parametrize("mesh_spec,seq_len,options,execution",
+                         MOE + [pytest.param(*case, marks=pytest.mark.slow)
+                                for case in SLOW_MOE])
+def test_a_mixture_of_experts_on_a_context_mesh_is_the_one_device_model(
+    mesh_spec, seq_len, options, execution):
+  _check_against_reference(mesh_spec, seq_len, options, execution, preset="moe-tiny")
+
+
+def test_a_capacity_on_a_context_mesh_drops_what_one_device_drops():
+  """The drops (and every router statistic) of a step on 1x4x2 with a capacity that
+  binds are those of the same model on 1x1 (one device, one dispatch of the whole
+  batch), at a length 2C does not divide."""
+  cfg = TransformerConfig.preset("moe-tiny", expert_capacity_factor=0.5)
+  tokens = jax.random.randint(jax.random.key(2), (4, 14), 0, cfg.vocab_size)
+  figures = []
+  for spec in ("1x1", "1x4x2"):
+    trainer = Trainer(Transformer(cfg, mesh=flax_tp.make_mesh(spec), rngs=nnx.Rngs(0)),
+                      make_optimizer(lr=1e-3, steps=1))
+    _, _, metrics = trainer.train_step(trainer.params, trainer.init_opt_state(trainer.params),
+                                       jax.device_put(tokens, trainer.batch_sharding), None)
+    figures.append({k: np.asarray(v) for k, v in metrics.items() if k != "grad_norm"})
+  one, context = figures
+  assert one["expert_dropped"] > 0  # the capacity binds
+  assert one.keys() == context.keys()
+  for name in one:
+    np.testing.assert_allclose(context[name], one[name], rtol=1e-5, err_msg=name)
 
 
 def test_the_strategy_is_a_field_named_in_its_error():

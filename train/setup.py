@@ -80,9 +80,6 @@ class SetUp:
     if job.model.expert_capacity_factor is not None and not self.cfg.has_experts:
       raise UsageError(f"--expert-capacity-factor {job.model.expert_capacity_factor} is for a "
                        f"model with experts; this one has none")
-    if self.cfg.has_experts and flax_tp.MeshAxes.of(mesh).context > 1:
-      raise UsageError(f"--mesh {job.mesh} has a context axis, and a model with experts does "
-                       "not run on one yet; use a mesh without it (DxM)")
     if job.loss.router_z_loss and not self.cfg.has_experts:  # never a weight that does nothing
       raise UsageError(f"--router-z-loss {job.loss.router_z_loss} is for a model with experts "
                        "(it weighs their router's z-loss); this one has none")

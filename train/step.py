@@ -201,24 +201,30 @@ class Trainer:
       # All S + 1 tokens through the model, as transformers runs its input_ids: the last
       # token predicts nothing, but its routing counts in the load-balancing loss.
       logits, stats = model(tokens, dropout_key=key, return_router_stats=True)
-      logits = logits[:, :-1]
-      stats = stats.all_reduce(flax_tp.DATA_AXIS)
+      stats = stats.all_reduce(batch_axes())  # every data and context shard's tokens
     else:
       logits = model(tokens[:, :-1], dropout_key=key)
+    model_len = tokens.shape[1] if self.cfg.has_experts else tokens.shape[1] - 1
     labels = tokens[:, 1:] if labels is None else labels
     batch, seq_len = labels.shape
-    # Context parallel: this device's logits are its slots' (ContextSplit); the labels
-    # are lined up with them, a padding slot's left out of the loss (and its gradient).
-    context = model.activation_layout(seq_len).context
+    # Context parallel: this device's logits are its slots' (ContextSplit) of the
+    # model's model_len tokens; the labels are lined up with them, a padding slot's (and
+    # with experts the last token's, which predicts nothing) left out of the loss and
+    # its gradient.
+    context = model.activation_layout(model_len).context
     if context is not None:
       fill = 0 if options.ignore_index is None else options.ignore_index
-      labels = context.local(labels, fill=fill)
+      labels = context.local(jnp.pad(labels, ((0, 0), (0, model_len - seq_len)),
+                                     constant_values=fill), fill=fill)
+    elif model_len > seq_len:
+      logits = logits[:, :seq_len]
     per_token = flax_tp.vocab_parallel_cross_entropy(
         logits, labels, vocab_size=self.cfg.vocab_size,
         label_smoothing=options.label_smoothing, z_loss=options.z_loss,
         ignore_index=options.ignore_index)
     if context is not None:
-      per_token = jnp.where(context.real()[None], per_token, jnp.zeros((), per_token.dtype))
+      scored = context.positions() < seq_len
+      per_token = jnp.where(scored[None], per_token, jnp.zeros((), per_token.dtype))
     reduce_over = batch_axes()  # "data" (and "context"): one all-reduce
     if options.ignore_index is None:  # a static count: no communication
       global_count = batch * seq_len * jax.lax.axis_size(flax_tp.DATA_AXIS)
