@@ -11,6 +11,12 @@ then one compiled decode step per token.
          vocab-parallel pick ([b]-sized reductions; the [b, vocab] logits are
          never gathered) -> token t
 
+On a mesh with a context axis the prefill is split over it as training splits a
+sequence (``Transformer.prefill``: each device its two chunks of the prompt, each
+block's k/v all-gathered over "context" into the cache), and the cache is then whole on
+every context device, so each decode step runs as above with no communication over
+"context" (a split cache would need a gather or a ring per token for one query).
+
 The cache of each block is ``(k, v)``, global ``[B, L, M * hkv_pad, head_dim]``
 sharded ``P("data", None, "model", None)``: each device keeps exactly the kv heads
 its query heads use (``KVHeadLayout``: replicated kv heads included, uneven
@@ -38,6 +44,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flax_tp
+from flax_tp.context import ContextSplit
 from flax_tp.data_parallel import global_rows, whole_over_data
 from flax_tp.mesh import split_over
 from flax_tp.sampling import vocab_parallel_sample
@@ -162,11 +169,14 @@ class Decoder:
     def local(state, tokens, lengths, key, values):
       model = nnx.merge(self.graphdef, state)
       b, s = tokens.shape
-      shape = (b, cache_len, self.kv_heads, cfg.head_dim)
-      cache = tuple((jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
-                    for _ in range(cfg.num_layers))
-      positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-      logits, cache = model.extend(tokens, cache, positions, lengths - 1)
+      if ContextSplit.here(s) is not None:  # the prompt split over "context"
+        logits, cache = model.prefill(tokens, cache_len, lengths - 1)
+      else:
+        shape = (b, cache_len, self.kv_heads, cfg.head_dim)
+        cache = tuple((jnp.zeros(shape, cfg.compute_dtype),
+                       jnp.zeros(shape, cfg.compute_dtype)) for _ in range(cfg.num_layers))
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        logits, cache = model.extend(tokens, cache, positions, lengths - 1)
       return self._pick(logits, key, 0, sampling, values), cache
 
     return jax.shard_map(local, mesh=self.mesh,

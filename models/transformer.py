@@ -82,8 +82,10 @@ class ParallelAttention(nnx.Module):
     rotate = functools.partial(layer_kinds.rotate, self.cfg, positions=positions, layer=layer)
     return rotate(q), rotate(k), v
 
-  def __call__(self, x_bsd, key, layer, rows, layout=None):
-    """x: ``[b, s, d]`` replicated -> ``[b, s, d]`` replicated (after one all-reduce).
+  def __call__(self, x_bsd, key, layer, rows, layout=None, *, return_kv=False):
+    """x: ``[b, s, d]`` replicated -> ``[b, s, d]`` replicated (after one all-reduce);
+    ``return_kv``: also this device's keys and values ``[b, s, hkv_pad, k]`` (after
+    q/k norm and rotary, as a cache holds them; its context slots on a context mesh).
 
     ``layout`` (a ``flax_tp.sequence.ActivationLayout``): with sequence parallelism
     ``x`` is this device's block ``[b, s_pad, d]``: one all-gather over "model" gives
@@ -98,6 +100,7 @@ class ParallelAttention(nnx.Module):
     x_bsd = layout.gather(x_bsd)
     b, s, _ = x_bsd.shape
     q, k, v = self._project(x_bsd, layer, layout.positions())
+    own_kv = (k, v)
     device = flax_tp.shard_index(self.q.axis_name)
     grouped = cfg.kv_heads != cfg.num_heads
     # The local kv head each local query head reads: query head i reads kv head
@@ -138,8 +141,8 @@ class ParallelAttention(nnx.Module):
       # A padded query head (zero q) would average real values: zero it, as
       # plain attention's padded heads (zero q, k and v) are.
       out = jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
-    out = out.reshape(b, s, -1)
-    return self.o(layout.for_scatter(out))
+    out = self.o(layout.for_scatter(out.reshape(b, s, -1)))
+    return (out, own_kv) if return_kv else out
 
   def extend(self, x_bsd, cache, positions, layer):
     """One cached step of block ``layer``: ``x [b, s, d]`` replicated at ``positions
@@ -243,6 +246,15 @@ class ParallelBlock(nnx.Module):
     attn, cache = self.attn.extend(self.ln1(x_bsd), cache, positions, layer)
     x_bsd = x_bsd + self._attn_out(attn)
     return x_bsd + self._mlp_out(self._mlp(self.ln2(x_bsd), dropless=True)[0]), cache
+
+  def prefill(self, x_bsd, layer, layout):
+    """Block ``layer`` on a prompt split as ``layout`` says (context parallel; no
+    dropout, a MoE dropless as in decoding) -> (``x`` likewise, this device's ``(k, v)``
+    ``[b, n, hkv_pad, k]`` of its slots)."""
+    rows = jnp.arange(x_bsd.shape[0])
+    attn, kv = self.attn(self.ln1(x_bsd), None, layer, rows, layout, return_kv=True)
+    x_bsd = x_bsd + self._attn_out(attn)
+    return x_bsd + self._mlp_out(self._mlp(self.ln2(x_bsd), layout, dropless=True)[0]), kv
 
   def __call__(self, x_bsd, key, layer, rows, layout=None):
     """``[b, s, d]`` replicated, or split as ``layout`` says (an ``ActivationLayout``:
@@ -398,6 +410,45 @@ class Transformer(nnx.Module):
     x = flax_tp.copy_to_parallel(self.ln_f(x))
     logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.head(x)
     return ops.softcap_of(logits, self.cfg.final_softcap), tuple(new_cache)
+
+  def prefill(self, tokens_bs, cache_len, last_b):
+    """Inside ``shard_map`` on a mesh with a context axis: a prompt through the model
+    split over ``"context"`` as training splits it (each device its two chunks), filling
+    a cache that every context device then holds whole.
+
+    tokens_bs: ``[b, s]`` (the same on every context device) at positions ``0 .. s-1``;
+    last_b: ``[b]`` which position's logits to return. Returns this device's vocabulary
+    shard of those logits ``[b, vocab_pad]`` and one ``(k, v)`` per block, each ``[b,
+    cache_len, hkv_pad, head_dim]``: positions ``0 .. s-1`` filled, as ``extend``
+    leaves them. The cache is gathered rather than kept split because a decode step
+    is one token: split, every step would gather or ring the cache over context for
+    one query; whole, it reads it in place, at ``C`` times a split cache's memory
+    (``kv_cache_bytes``). The prefill's work and activations are split ``C`` ways;
+    each block all-gathers its k and v over "context" once (which the all-gather
+    strategy's attention shares).
+    """
+    cfg = self.cfg
+    b, s = tokens_bs.shape
+    layout = self.activation_layout(s)
+    context = layout.context
+    if context is None or layout.sequence is not None:
+      raise ValueError("Transformer.prefill is for a context mesh without sequence "
+                       "parallelism (a decoder's view); use extend")
+    x = ops.scale_embeddings(cfg, self.embed(layout.tokens(tokens_bs)))
+    cache = []
+    for layer, block in enumerate(self._each_block()):
+      x, own_kv = block.prefill(x, layer, layout)
+      # Every context device's slots, in position order (padding slots left out).
+      whole = [context.whole(t).astype(cfg.compute_dtype) for t in own_kv]
+      cache.append(tuple(jnp.zeros((b, cache_len) + t.shape[2:], t.dtype).at[:, :s].set(t)
+                         for t in whole))
+    # The wanted position's hidden state sits on one context device: the others add 0.
+    wanted = context.positions()[None, :] == last_b[:, None]  # [b, local_len]
+    x = jnp.sum(jnp.where(wanted[..., None], x, jnp.zeros((), x.dtype)), axis=1)
+    x = flax_tp.all_reduce(x, "sum", flax_tp.CONTEXT_AXIS)
+    x = flax_tp.copy_to_parallel(self.ln_f(x))
+    logits = self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
+    return ops.softcap_of(logits, cfg.final_softcap), tuple(cache)
 
   def _standalone(self, tokens_bs, dropout_key):
     graphdef, state = nnx.split(self)

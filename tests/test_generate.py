@@ -77,6 +77,37 @@ def test_sampling_is_the_same_on_every_mesh():
   assert not np.array_equal(runs["1x1"], generate(model, PROMPTS, max_new_tokens=12))
 
 
+@pytest.mark.parametrize("preset,mesh_spec,options", [
+    ("llama-tiny", "1x3x2", {}),  # 16-token prompt bucket over 2C = 6 chunks: padded
+    pytest.param("llama-tiny", "2x2x2", dict(context_parallel="ring", scan_layers=True),
+                 marks=pytest.mark.slow),
+    pytest.param("moe-tiny", "1x4x2", dict(sequence_parallel=True), marks=pytest.mark.slow),
+])
+def test_a_prompt_split_over_context_generates_as_one_device(preset, mesh_spec, options):
+  """The prefill split over "context" (each device its chunks, the cache gathered
+  whole), then decoding: greedy and sampled tokens equal one device's for prompts of
+  different lengths, and the compiled prefill holds each block's k and v all-gathered
+  over "context"."""
+  cfg = TransformerConfig.preset(preset, max_seq_len=32)
+  mesh = flax_tp.make_mesh(mesh_spec)
+  one = Transformer(cfg, mesh=flax_tp.make_mesh("1x1"), rngs=nnx.Rngs(0))
+  model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0), execution=Execution(**options))
+  for kwargs in (dict(), dict(seed=3, temperature=0.8, top_k=20)):
+    np.testing.assert_array_equal(generate(model, PROMPTS, max_new_tokens=10, **kwargs),
+                                  generate(one, PROMPTS, max_new_tokens=10, **kwargs))
+  dec = decoder_for(model)
+  put = lambda x: jax.device_put(x, dec.row_sharding)
+  sampling = Sampling()
+  rows = mesh.shape["data"]
+  text = dec.prefill.lower(nnx.state(model), put(np.ones((rows, 16), np.int32)),
+                           put(np.full(rows, 9, np.int32)), jax.random.key(0),
+                           sampling.values(), cache_len=32,
+                           sampling=sampling.static()).compile().as_text()
+  gathers = [c for c in hlo.collectives(text, mesh)
+             if c.kind == "all-gather" and c.axes == ("context",)]
+  assert len(gathers) >= 2 * cfg.num_layers, gathers
+
+
 def decode_collectives(model, sampling):
   dec = decoder_for(model)
   put = lambda x: jax.device_put(x, dec.row_sharding)
