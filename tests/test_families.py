@@ -5,7 +5,9 @@ rope, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3 and Phi-3, every norm weight and b
 perturbed, sliding windows shorter than the sequence. For each family, on 1x1, 1x3,
 2x4 and 1x8 (one mesh per family in the fast lane, the others in the slow lane):
 logits, the loss and every gradient, and greedy generation through the KV cache past
-the window equal transformers'.
+the window equal transformers'. The families with sliding windows (Qwen2's too, from
+``max_window_layers``: the ``qwen2_sliding`` fixture) and two with experts again on
+context meshes, with both context-parallel strategies.
 """
 
 import json
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 from helpers import fine_tune_folder
 
+import flax_tp
 from models.config import FULL, SLIDING, RopeScaling, TransformerConfig
 from models.execution import Execution
 from models.families import HFConfigError, config_from_hf
@@ -99,6 +102,34 @@ def test_family_under_every_execution_option(meshes, name, mesh_spec, execution)
   check_against_fixture(model, name)
 
 
+RING = "ring"
+
+
+# The families with sliding windows (and two with experts) on context meshes, both
+# strategies: the loss's 8 tokens (a MoE's 9) padded to 2C chunks where 2C does not
+# divide them (C = 3, 8), the windows crossing the chunks' edges; greedy generation
+# through the cache past the window.
+@pytest.mark.parametrize("name,mesh_spec,execution", [
+    ("mistral", "1x3x2", Execution()),
+    pytest.param("gemma2", "2x2x2", Execution(context_parallel=RING, sequence_parallel=True),
+                 marks=pytest.mark.slow),
+    pytest.param("gemma3_text", "1x3x2", Execution(context_parallel=RING, scan_layers=True),
+                 marks=pytest.mark.slow),
+    pytest.param("phi3", "1x8x1", Execution(), marks=pytest.mark.slow),
+    pytest.param("qwen2_sliding", "1x3x2", Execution(context_parallel=RING),
+                 marks=pytest.mark.slow),
+    pytest.param("mistral", "1x8x1", Execution(context_parallel=RING), marks=pytest.mark.slow),
+    pytest.param("mixtral", "2x2x2", Execution(sequence_parallel=True), marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", "2x3x1", Execution(context_parallel=RING),
+                 marks=pytest.mark.slow),
+])
+def test_family_on_a_context_mesh_equals_transformers(name, mesh_spec, execution):
+  mesh = flax_tp.make_mesh(mesh_spec)
+  assert flax_tp.MeshAxes.of(mesh).context > 1
+  model = load_hf(FIXTURES / name, mesh, execution=execution)
+  check_against_fixture(model, name)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_save_hf_writes_back_what_transformers_wrote(tmp_path, meshes, name):
   """Every tensor as it was (Phi-3's fused ones fused again, from their split parts),
@@ -138,6 +169,7 @@ def test_saved_folder_loads_in_transformers_to_the_same_logits(tmp_path, meshes,
     ("llama3", dict(rope_scaling=None)),
     ("qwen3", dict(rope_scaling=None)),
     ("mistral", dict(sliding_window=8)),
+    ("qwen2_sliding", dict(layer_types=("full_attention", "full_attention"))),
     ("gemma", dict(embed_scale=False)),
     ("gemma2", dict(attn_softcap=None)),
     ("gemma2", dict(final_softcap=None)),
