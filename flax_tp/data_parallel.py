@@ -49,6 +49,7 @@ once, replicated over ``"data"`` (``whole_over_data``), for all its tokens;
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -58,7 +59,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import all_gather, axis_is_bound, copy_to_parallel, shard_index
-from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, split_over
+from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS
 from flax_tp.param_info import FSDP_DIM, FSDP_PER_BLOCK, ParamInfo, record
 
 __all__ = ["FSDP_DIM", "FSDP_PER_BLOCK", "fsdp_axes", "fsdp_dim", "gather_block", "gather_for_step",
@@ -162,12 +163,12 @@ def shard_over_data(module: nnx.Module, *, per_block: tuple[nnx.Module, ...] = (
                        f"{DATA_AXIS!r} axis (see flax_tp.replicate_on_mesh)")
     if info.over_data or info.over_experts:  # experts: already split over "data"
       continue
-    if split_over(DATA_AXIS, mesh.shape[DATA_AXIS]) is None:  # one device: nothing to split
+    axes = fsdp_axes(mesh)
+    if math.prod(mesh.shape[a] for a in axes) == 1:  # one device: nothing to split
       continue
     new = list(names) + [None] * (var[...].ndim - len(names))
-    axes = fsdp_axes(mesh)
     where = _placement(info, var, axes, mesh)
-    if where is None and len(axes) > 1:
+    if where is None and len(axes) > 1 and mesh.shape[DATA_AXIS] > 1:
       where = _placement(info, var, (DATA_AXIS,), mesh)
     if where is None:
       kept.append(".".join(map(str, path)))

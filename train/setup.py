@@ -180,12 +180,17 @@ class SetUp:
                   f"{self.corpus.unigram_entropy():.3f} nats | batch {job.schedule.batch_size} x "
                   f"{job.model.seq_len} tokens")
     notes = self.notes
-    if self.execution.fsdp and data_size > 1:  # never silently less sharded than asked
+    axes = flax_tp.MeshAxes.of(mesh)
+    fsdp_devices = axes.data * axes.context
+    if self.execution.fsdp and fsdp_devices > 1:  # never silently less sharded than asked
       whole = [".".join(map(str, path)) for path, var in nnx.to_flat_state(self.params)
                if not (ParamInfo.of(var).over_data or ParamInfo.of(var).over_experts)]
+      over = (f"{data_size}-way data axis" if axes.context == 1 else
+              f"{fsdp_devices} data x context devices")
       if whole:
         notes.append(f"note: --fsdp leaves {len(whole)} param(s) replicated over the "
-                     f"{data_size}-way data axis, which divides none of their dimensions: "
+                     f"{over}, which {'divides' if axes.context == 1 else 'divide'} none "
+                     f"of their dimensions: "
                      f"{', '.join(whole[:4])}{' ...' if len(whole) > 4 else ''}")
     if self.execution.context_parallel != Execution.context_parallel and \
         flax_tp.MeshAxes.of(mesh).context == 1:
