@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
   p = OneLineParser(prog="bench.decode", description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="llama-125m", choices=TransformerConfig.preset_names())
-  p.add_argument("--meshes", default="1x1,1x8", help="meshes to time")
+  p.add_argument("--meshes", default="1x1,1x8", help="meshes to time: DxM, DxCxM or named (data=2,model=4), comma-separated")
   p.add_argument("--cache-meshes", default="1x2,1x4,1x8", help="meshes of the cache-bytes table")
   p.add_argument("--contexts", type=comma_positive_ints, default=[128, 512],
                  help="prompt lengths")
@@ -56,11 +56,11 @@ def main(argv=None) -> int:
   from flax import nnx
 
   import flax_tp
-  from bench import meshes_or_exit, out_path_or_exit
+  from bench import mesh_list, meshes_or_exit, out_path_or_exit
   from models.config import TransformerConfig
   from models.generate import Sampling, bucket, decoder_for, kv_cache_bytes, stream
   from models.transformer import Transformer
-  meshes_or_exit(args.meshes.split(",") + args.cache_meshes.split(","), "bench.decode")
+  meshes_or_exit(mesh_list(args.meshes) + mesh_list(args.cache_meshes), "bench.decode")
   out_path_or_exit(args.out, "bench.decode")
   contexts = args.contexts
   longest = max(contexts) + args.new_tokens
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
       TransformerConfig.preset(args.preset).max_seq_len, longest))
   results = {"preset": args.preset, "jax": jax.__version__, "platform": jax.devices()[0].platform,
              "new_tokens": args.new_tokens, "timed": {}, "cache": {}}
-  for spec in args.meshes.split(","):
+  for spec in mesh_list(args.meshes):
     mesh = flax_tp.make_mesh(spec)
     model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0))
     dec = decoder_for(model)

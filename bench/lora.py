@@ -67,16 +67,16 @@ def measure(preset: str, spec: str, fsdp: bool) -> dict[str, Any]:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__.split("\n")[0])
-  p.add_argument("--meshes", default="2x4,1x8", help="comma-separated DxM meshes")
+  p.add_argument("--meshes", default="2x4,1x8", help="comma-separated meshes: DxM, DxCxM or named (data=2,model=4)")
   p.add_argument("--presets", default=",".join(PRESETS))
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   import jax
 
-  from bench import meshes_or_exit, out_path_or_exit
-  meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
-  meshes_or_exit(meshes, "bench.lora")
+  from bench import mesh_list, meshes_or_exit, out_path_or_exit
+  meshes = mesh_list(args.meshes)
+  meshes_or_exit(meshes, "bench.lora", context=False)
   out_path_or_exit(args.out, "bench.lora")
   rows = []
   for preset in (p.strip() for p in args.presets.split(",") if p.strip()):

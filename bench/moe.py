@@ -138,7 +138,7 @@ def step_times(shape: str, spec: str, tokens_per_shard: int, repeats: int) -> di
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__.split("\n")[0])
-  p.add_argument("--meshes", default="2x4,4x2,8x1", help="comma-separated DxM meshes")
+  p.add_argument("--meshes", default="2x4,4x2,8x1", help="comma-separated meshes: DxM, DxCxM or named (data=2,model=4)")
   p.add_argument("--tokens", type=int, default=512, help="tokens per data shard")
   p.add_argument("--time-tokens", type=int, default=128,
                  help="tokens per data shard in the timed section (0: skip it)")
@@ -148,9 +148,9 @@ def main(argv=None) -> int:
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   import jax
 
-  from bench import meshes_or_exit, out_path_or_exit
-  meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
-  meshes_or_exit(meshes, "bench.moe")
+  from bench import mesh_list, meshes_or_exit, out_path_or_exit
+  meshes = mesh_list(args.meshes)
+  meshes_or_exit(meshes, "bench.moe", context=False)
   out_path_or_exit(args.out, "bench.moe")
   rows = []
   for shape in SHAPES:

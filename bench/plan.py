@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--preset", default="small", choices=["tiny", "small", "llama-125m"])
   p.add_argument("--layers", type=positive_int, default=None,
                  help="blocks (default: the preset's)")
-  p.add_argument("--meshes", default="1x8,2x4,4x2", help="comma-separated DxM meshes")
+  p.add_argument("--meshes", default="1x8,2x4,4x2", help="comma-separated meshes: DxM, DxCxM or named (data=2,model=4)")
   p.add_argument("--batch-size", type=positive_int, default=32)
   p.add_argument("--seq-len", type=positive_int, default=128)
   p.add_argument("--repeats", type=positive_int, default=7, help="timed steps per contender")
@@ -93,13 +93,13 @@ def main(argv=None) -> int:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import flax_tp
-  from bench import meshes_or_exit, out_path_or_exit, peers
+  from bench import mesh_list, meshes_or_exit, out_path_or_exit, peers
   from flax_tp.hlo import arrays_sent, collectives
   from models.transformer import Transformer
   from train.step import Trainer, make_optimizer
 
-  specs = [m.strip() for m in args.meshes.split(",") if m.strip()]
-  meshes_or_exit(specs, "bench.plan")
+  specs = mesh_list(args.meshes)
+  meshes_or_exit(specs, "bench.plan", context=False)
   out_path_or_exit(args.out, "bench.plan")
   cfg = bench_config(args.preset, args.layers, args.seq_len)
   tx = make_optimizer(lr=1e-3, steps=1000, warmup_steps=10)

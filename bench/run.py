@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
   sys.path.insert(0, str(ROOT))
 
-from bench.harness import (  # noqa: E402  (after the path above: run as a script too)
+from bench import mesh_list  # noqa: E402  (after the path above: run as a script too)
+from bench.harness import (  # noqa: E402
     DEVICES,
     bench_config,
     flax_tp_contender,
@@ -46,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="model width (8 heads, vocabulary 256 so that GSPMD can shard it)")
   p.add_argument("--layers", type=positive_int, default=None,
                  help="blocks (default: the preset's)")
-  p.add_argument("--meshes", default="1x8,2x4,4x2,8x1", help="comma-separated DxM meshes")
+  p.add_argument("--meshes", default="1x8,2x4,4x2,8x1", help="comma-separated meshes: DxM, DxCxM or named (data=2,model=4)")
   p.add_argument("--repeats", type=positive_int, default=7, help="timed steps per contender")
   p.add_argument("--batch-size", type=positive_int, default=32)
   p.add_argument("--seq-len", type=positive_int, default=128)
@@ -133,7 +134,7 @@ def audit_step(cfg, mesh, compiled, params, batch: int, seq: int) -> dict[str, A
 def main(argv=None) -> int:
   args = parse_args(argv)
   skip = set(args.skip)
-  meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
+  meshes = mesh_list(args.meshes)
   os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
   import jax
   import numpy as np
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
   from bench import meshes_or_exit, out_path_or_exit, peers
   from train.step import make_optimizer
 
-  meshes_or_exit(meshes, "bench/run.py")
+  meshes_or_exit(meshes, "bench/run.py", context=False)
   out_path_or_exit(args.out, "bench/run.py")
   platform_name = jax.devices()[0].platform
   cfg = bench_config(args.preset, args.layers, args.seq_len)

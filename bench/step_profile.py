@@ -134,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--layers", type=positive_int, default=2)
   p.add_argument("--batch-size", type=positive_int, default=16)
   p.add_argument("--seq-len", type=positive_int, default=128)
-  p.add_argument("--meshes", default="2x4,4x2", help="comma-separated DxM meshes")
+  p.add_argument("--meshes", default="2x4,4x2", help="comma-separated meshes: DxM, DxCxM or named (data=2,model=4)")
   p.add_argument("--steps", type=positive_int, default=5, help="steps traced per contender")
   p.add_argument("--out", default=None, help="write the figures here as JSON")
   return p.parse_args(argv)
@@ -148,9 +148,9 @@ def main(argv=None) -> int:
   import optax
 
   import flax_tp
-  from bench import meshes_or_exit, out_path_or_exit, peers
-  meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
-  meshes_or_exit(meshes, "bench.step_profile")
+  from bench import mesh_list, meshes_or_exit, out_path_or_exit, peers
+  meshes = mesh_list(args.meshes)
+  meshes_or_exit(meshes, "bench.step_profile", context=False)
   out_path_or_exit(args.out, "bench.step_profile")
 
   cfg = bench_config(args.preset, layers=args.layers, seq_len=args.seq_len)

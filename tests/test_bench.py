@@ -319,3 +319,48 @@ def test_lora_bench_smoke(tmp_path):
       assert lora["total"] == lora["params"] + 3 * lora["adapters"]
       assert lora["params"] > full["params"] and lora["adapters"] > 0
     assert row["peft-default r8 q,v"]["total"] < full["total"]
+
+
+@pytest.mark.parametrize("text,specs", [
+    ("1x8,2x4", ["1x8", "2x4"]),
+    ("2x2x2, 1x8x1", ["2x2x2", "1x8x1"]),
+    ("data=2,context=2,model=2,1x8", ["data=2,context=2,model=2", "1x8"]),
+    ("1x8,model=8", ["1x8", "model=8"]),
+    ("data=2,model=4,data=4,model=2", ["data=2,model=4", "data=4,model=2"]),
+    ("data=2,model=4;2x4", ["data=2,model=4", "2x4"]),
+])
+def test_mesh_lists_take_every_mesh_form(text, specs):
+  from bench import mesh_list
+  assert mesh_list(text) == specs
+  import flax_tp
+  for spec in specs:
+    flax_tp.make_mesh(spec)
+
+
+def test_a_two_axis_benchmark_names_a_context_mesh(capsys):
+  from bench import meshes_or_exit
+  meshes_or_exit(["1x2x4"], "bench.x")  # the default: context parallelism measured
+  with pytest.raises(SystemExit) as e:
+    meshes_or_exit(["2x4", "data=1,context=2,model=4"], "bench.x", context=False)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "'data=1,context=2,model=4' has a context axis" in err
+
+
+@pytest.mark.slow
+def test_context_bench_counts_each_strategys_bytes_against_the_minimum(tmp_path):
+  """bench.context's bytes section: the all-gather moves the minimum over "context"
+  (every other device's k/v forward, their gradients back: 2 (C - 1) blocks), the ring
+  (C - 1) + (C - 1) + C blocks, one fewer at C = 2 (the two rings' swaps are one)."""
+  from bench.context import main as context_main
+  out = tmp_path / "context.json"
+  assert context_main(["--sections", "bytes", "--preset", "llama-tiny", "--bytes-seq", "40",
+                       "--out", str(out)]) == 0
+  rows = {(r["mesh"], r["strategy"]): r for r in json.loads(out.read_text())["bytes"]}
+  assert set(rows) == {("1x2x4", "all_gather"), ("1x2x4", "ring"), ("1x8x1", "all_gather"),
+                       ("1x8x1", "ring")}
+  for (mesh, strategy), row in rows.items():
+    c = 2 if mesh == "1x2x4" else 8
+    blocks = 2 * (c - 1) if strategy == "all_gather" else 3 * c - 2 - (c == 2)
+    assert row["per_layer_total"] == pytest.approx(blocks * row["block_bytes"]), (mesh, strategy)
+    assert row["minimum"] == 2 * (c - 1) * row["block_bytes"]
