@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models import ops
+from models import attention, ops
 from models.config import TransformerConfig
 from models.reference import ReferenceTransformer, reference_loss
 
@@ -96,9 +96,11 @@ class FusedQKVAttention(nnx.Module):
     k, v = qkv[:, :, :, group], qkv[:, :, :, group + 1]
     q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
-                               rate=cfg.dropout, rows=jnp.arange(b),
-                               heads=jnp.arange(cfg.num_heads))
+    dropout_key = ops.site_key(key, layer, ops.ATTN_PROBS)
+    dropout = None if dropout_key is None else attention.Dropout(
+        dropout_key, jnp.arange(b), jnp.arange(cfg.num_heads))
+    out = attention.attend(q, k, v, attention.AttentionSpec(dropout=cfg.dropout),
+                           dropout=dropout)
     return self.o(out.reshape(b, s, -1))
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import layer_kinds, ops
+from models import attention, layer_kinds, ops
 from models.config import TransformerConfig
 
 
@@ -39,11 +39,10 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = (layer_kinds.rotate(cfg, t, None, layer) for t in (q, k))
     # k, v keep their kv heads: query head i reads kv head i // (query heads per kv head)
-    out = ops.causal_attention(q, k, v, dropout_key=ops.site_key(key, layer, ops.ATTN_PROBS),
-                               rate=cfg.dropout, rows=jnp.arange(b),
-                               heads=jnp.arange(cfg.num_heads),
-                               window=layer_kinds.window_of(cfg, layer),
-                               scale=cfg.attn_scale, softcap=cfg.attn_softcap)
+    dropout_key = ops.site_key(key, layer, ops.ATTN_PROBS)
+    dropout = None if dropout_key is None else attention.Dropout(
+        dropout_key, jnp.arange(b), jnp.arange(cfg.num_heads))
+    out = attention.attend(q, k, v, attention.AttentionSpec.of(cfg, layer), dropout=dropout)
     return self.o(out.reshape(b, s, -1))
 
 

@@ -29,9 +29,8 @@ from flax_tp.context import ContextSplit
 from flax_tp.data_parallel import gather_for_step, global_rows, whole_over_data
 from flax_tp.params import place_on_mesh
 from flax_tp.remat import run_blocks
-from flax_tp.ring_attention import ring_attention
 from flax_tp.sequence import ActivationLayout
-from models import execution as execution_lib, layer_kinds, ops
+from models import attention, execution as execution_lib, layer_kinds, ops
 from models.config import TransformerConfig
 from models.execution import Execution
 from models.ops import GATED
@@ -82,6 +81,34 @@ class ParallelAttention(nnx.Module):
     rotate = functools.partial(layer_kinds.rotate, self.cfg, positions=positions, layer=layer)
     return rotate(q), rotate(k), v
 
+  def _head_map(self):
+    """How this device's query heads read its kv heads: (``kv_index [hq_pad]``, the
+    local kv head of each query head, or None where this device's query heads are whole
+    groups over its kv heads in order (``attend``'s ``i // (h / g)``, each kv head read
+    once for its group); ``real [hq_pad]`` bool, which query heads are not padding, or
+    None without grouped-query attention; ``heads [hq_pad]``, their global ids)."""
+    cfg = self.cfg
+    device = flax_tp.shard_index(self.q.axis_name)
+    kv_index = real = None
+    if cfg.kv_heads != cfg.num_heads:
+      index, real = (jnp.asarray(t)[device] for t in self.k.layout.kv_for_query_heads)
+      if not self.k.layout.groups_line_up:  # replicated kv heads straddle its groups
+        kv_index = index
+    first_head = jnp.asarray(self.q.layout.offsets)[device]
+    heads = first_head // cfg.head_dim + jnp.arange(self.q.layout.padded_size // cfg.head_dim)
+    return kv_index, real, heads
+
+  def _attend(self, q, k, v, layer, q_positions=None, k_positions=None, **kw):
+    """``attend`` with this layer's spec and this device's head map -> ``[b, s, hq_pad *
+    k]``; a padded query head (zero q, which would average real values under
+    grouped-query attention) gives zero, as plain attention's padded heads do."""
+    kv_index, real, _ = self._head_map()
+    out = attention.attend(q, k, v, attention.AttentionSpec.of(self.cfg, layer),
+                           q_positions, k_positions, kv_index=kv_index, **kw)
+    if real is not None:
+      out = jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
+    return out.reshape(out.shape[:2] + (-1,))
+
   def __call__(self, x_bsd, key, layer, rows, layout=None, *, return_kv=False):
     """x: ``[b, s, d]`` replicated -> ``[b, s, d]`` replicated (after one all-reduce);
     ``return_kv``: also this device's keys and values ``[b, s, hkv_pad, k]`` (after
@@ -91,58 +118,20 @@ class ParallelAttention(nnx.Module):
     ``x`` is this device's block ``[b, s_pad, d]``: one all-gather over "model" gives
     q, k and v the device's tokens, and the output projection reduce-scatters back to
     the block. With context parallelism those tokens are this device's two chunks of
-    the sequence at their global positions (rotary and the mask read them): its keys
-    and values, only the kv heads this model shard holds, are all-gathered over
-    "context" so that its queries see every earlier key.
+    the sequence at their global positions (rotary and the mask read them), and the
+    context strategy's core (``attention.core_of``) reaches the other devices' keys.
     """
-    cfg = self.cfg
     layout = layout or ActivationLayout()
     x_bsd = layout.gather(x_bsd)
-    b, s, _ = x_bsd.shape
     q, k, v = self._project(x_bsd, layer, layout.positions())
-    own_kv = (k, v)
-    device = flax_tp.shard_index(self.q.axis_name)
-    grouped = cfg.kv_heads != cfg.num_heads
-    # The local kv head each local query head reads: query head i reads kv head
-    # i // (h / g) when this device's query heads are whole groups over its kv heads,
-    # in order (each kv head read once for its group); where replicated kv heads
-    # straddle its groups, each query head's own (KVHeadLayout's index).
-    kv_index = jnp.arange(q.shape[2]) // (q.shape[2] // k.shape[2])
-    if grouped:
-      index, real = (jnp.asarray(t)[device] for t in self.k.layout.kv_for_query_heads)
-      if not self.k.layout.groups_line_up:
-        kv_index = index
-    first_head = jnp.asarray(self.q.layout.offsets)[device]
-    heads = first_head // cfg.head_dim + jnp.arange(q.shape[2])
     dropout_key = ops.site_key(key, layer, ops.ATTN_PROBS)
-    options = dict(window=layer_kinds.window_of(cfg, layer), scale=cfg.attn_scale,
-                   softcap=cfg.attn_softcap)
-    context = layout.context
-    if context is not None and context.strategy == "ring":
-      # k and v stay where they are: their blocks travel the ring of context devices.
-      keep_rows = None
-      if dropout_key is not None and cfg.dropout > 0.0:
-        keep_rows = ops.keep_rows(dropout_key, cfg.dropout, rows, heads, context.positions(),
-                                  context.seq_len)
-      out = ring_attention(q, k, v, kv_index, split=context, keep_rows=keep_rows,
-                           rate=cfg.dropout, **options)
-    else:
-      positioned = {}
-      if context is not None:  # every context device's keys, at their positions
-        k, v = context.gather(k), context.gather(v)
-        positioned = dict(query_pos=context.positions(),
-                          key_pos=jnp.asarray(context.gathered_positions, jnp.int32),
-                          seq_len=context.seq_len)
-      if grouped and not self.k.layout.groups_line_up:
-        k, v = jnp.take(k, kv_index, axis=2), jnp.take(v, kv_index, axis=2)
-      out = ops.causal_attention(q, k, v, dropout_key=dropout_key, rate=cfg.dropout,
-                                 rows=rows, heads=heads, **options, **positioned)
-    if grouped:
-      # A padded query head (zero q) would average real values: zero it, as
-      # plain attention's padded heads (zero q, k and v) are.
-      out = jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
-    out = self.o(layout.for_scatter(out.reshape(b, s, -1)))
-    return (out, own_kv) if return_kv else out
+    dropout = None
+    if dropout_key is not None:
+      dropout = attention.Dropout(dropout_key, rows, self._head_map()[2])
+    out = self._attend(q, k, v, layer, dropout=dropout,
+                       core=attention.core_of(layout.context))
+    out = self.o(layout.for_scatter(out))
+    return (out, (k, v)) if return_kv else out
 
   def extend(self, x_bsd, cache, positions, layer):
     """One cached step of block ``layer``: ``x [b, s, d]`` replicated at ``positions
@@ -152,27 +141,17 @@ class ParallelAttention(nnx.Module):
     cache: ``(k, v)``, each ``[b, L, hkv_pad, k]``, this device's kv heads (the heads
     its query heads use, replicated ones included, padding zero). The new tokens'
     keys and values are written at their positions, then every query attends to
-    the cache slots at or before its own position.
+    the cache slots at or before its own position (the slots past it hold padding
+    or stale values).
     """
-    cfg = self.cfg
-    b, s, _ = x_bsd.shape
     q, k, v = self._project(x_bsd, layer, positions)
     write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(
         c, new.astype(c.dtype), at, axis=0))
     cache_k, cache_v = (write(c, new, positions[:, 0]) for c, new in zip(cache, (k, v),
                                                                            strict=True))
-    options = dict(window=layer_kinds.window_of(cfg, layer), scale=cfg.attn_scale,
-                   softcap=cfg.attn_softcap)
-    if self.k.layout.groups_line_up:  # read each kv head once for its whole group
-      out = ops.cached_attention(q.reshape(b, s, cache_k.shape[2], -1, cfg.head_dim),
-                                 cache_k, cache_v, positions, **options)
-    else:  # replicated kv heads straddle a device's groups: pick each query head's
-      index, real = (jnp.asarray(t)[flax_tp.shard_index(self.q.axis_name)]
-                     for t in self.k.layout.kv_for_query_heads)
-      out = ops.cached_attention(q[:, :, :, None], jnp.take(cache_k, index, axis=2),
-                                 jnp.take(cache_v, index, axis=2), positions, **options)
-      out = jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))
-    return self.o(out.reshape(b, s, -1)), (cache_k, cache_v)
+    slots = jnp.arange(cache_k.shape[1])
+    out = self._attend(q, cache_k, cache_v, layer, positions, slots)
+    return self.o(out), (cache_k, cache_v)
 
 
 class ParallelMLP(nnx.Module):

@@ -3,7 +3,7 @@
 The ring's forward (an online softmax merged block by block) and its backward (a second
 ring carrying the k/v gradients home) are written by hand, so they are checked on
 their own here, before the model tests use them: the output and the gradients of q, k
-and v against ``models.ops.causal_attention`` over the whole sequence on one device, at
+and v against ``models.attention.attend`` over the whole sequence on one device, at
 lengths ``2C`` does not divide, with grouped-query heads, windows, soft-capping and
 dropout, and on meshes where the ring's devices also split data and model.
 """
@@ -20,7 +20,7 @@ import flax_tp
 from flax_tp.context import ContextSplit
 from flax_tp.hlo import collectives
 from flax_tp.ring_attention import ring_attention
-from models import ops
+from models import attention, ops
 
 B, H, G, D = 2, 4, 2, 8
 
@@ -37,9 +37,10 @@ def _inputs(seq_len):
 def _one_device(q, k, v, *, window, softcap, rate, key):
   seq_len = q.shape[1]
   pos = jnp.arange(seq_len)
-  return ops.causal_attention(q, k, v, dropout_key=key, rate=rate, rows=jnp.arange(B),
-                              heads=jnp.arange(H), window=window, softcap=softcap,
-                              query_pos=pos, key_pos=pos, seq_len=seq_len)
+  dropout = attention.Dropout(key, jnp.arange(B), jnp.arange(H), seq_len) if rate else None
+  return attention.attend(q, k, v, attention.AttentionSpec(window, softcap=softcap,
+                                                           dropout=rate),
+                          pos, pos, dropout=dropout)
 
 
 def _ring(mesh, q, k, v, *, window, softcap, rate, key):

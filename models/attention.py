@@ -1,0 +1,206 @@
+"""Attention's one home: what a layer's attention computes and the core that computes it.
+
+``AttentionSpec.of(cfg, layer)`` says what one layer's attention is (its sliding window,
+the scores' scale and soft-cap, dropout on the probabilities); ``attend(q, k, v, spec,
+q_positions, k_positions)`` computes it. Training and prefill (``models/transformer.py``),
+cached decoding (the same call over the cache's slots) and the plain-Flax reference
+(``models/reference.py``) all call ``attend``; context parallelism does not change a call
+site, it swaps the core (``core_of``): the keys given are every key (``local``), every
+context device's keys are all-gathered first (``all_gather``), or their blocks travel the
+ring (``ring``, ``flax_tp.ring_attention``).
+
+Positions: ``None`` for both means ``0 .. s-1`` for queries and keys alike (one device's
+causal attention over its whole sequence); otherwise the mask is ``visible_keys`` of the
+queries' and keys' global positions (a context shard's slots, a KV cache's). Softmax runs
+in float32 whatever the inputs' dtype. Nothing here knows about the mesh except the
+context cores, which run inside the step's ``shard_map``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flax_tp.context import ContextSplit
+from flax_tp.ring_attention import ring_attention
+from models import layer_kinds, ops
+from models.config import TransformerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """What one layer's attention computes, whichever core runs it.
+
+  window: the sliding window (``visible_keys``: each query sees its last ``window``
+    keys), None for full attention; a traced int under scanned layers (``layer_kinds``).
+  scale: the scores' scale, None for ``head_dim ** -0.5``.
+  softcap: scores -> ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2).
+  dropout: the rate of dropout on the probabilities (applied only with a ``Dropout``).
+  """
+
+  window: int | jax.Array | None = None
+  scale: float | None = None
+  softcap: float | None = None
+  dropout: float = 0.0
+
+  @classmethod
+  def of(cls, cfg: TransformerConfig, layer) -> AttentionSpec:
+    """Block ``layer``'s attention (a Python int, or traced inside scanned layers)."""
+    return cls(layer_kinds.window_of(cfg, layer), cfg.attn_scale, cfg.attn_softcap,
+               cfg.dropout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+  """Where the keep-mask of attention's dropout is drawn: ``key`` (this layer's site),
+  the local rows' global batch ids ``rows [b]`` and the local heads' global ids ``heads
+  [h]``. The mask is the whole ``seq_len``-token sequence's ``[b, h, S, S]`` as one
+  device draws it, read at the queries' and keys' positions, so no split of the batch,
+  the heads or the sequence changes which entries drop. seq_len None: the queries'
+  own length (the sequence is not split)."""
+
+  key: jax.Array
+  rows: jax.Array
+  heads: jax.Array
+  seq_len: int | None = None
+
+  def keep_rows(self, rate: float, q_positions: jax.Array) -> jax.Array:
+    """``[b, h, q, S]`` bool: the mask's rows at ``q_positions [q]``."""
+    return ops.keep_rows(self.key, rate, self.rows, self.heads, q_positions, self.seq_len)
+
+  def keep_at(self, rate: float, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+    """``[b, h, q, t]`` bool: the mask at ``q_positions [q]`` x ``k_positions [t]``;
+    padding (``>= seq_len``) reads a real entry (clipped) that its zero weight (a key)
+    or zero loss (a query) leaves unused."""
+    keep = self.keep_rows(rate, q_positions)
+    return jnp.take(keep, jnp.minimum(k_positions, self.seq_len - 1), axis=3)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: AttentionSpec,
+           q_positions: jax.Array | None = None, k_positions: jax.Array | None = None, *,
+           kv_index: jax.Array | None = None, dropout: Dropout | None = None,
+           core=None) -> jax.Array:
+  """Causal softmax attention of ``q [b, s, h, d]`` over ``k, v [b, t, g, d]`` -> ``[b, s,
+  h, d]`` in q's dtype.
+
+  q_positions ``[s]`` (or ``[b, s]``, each row its own: a cached step) and k_positions
+  ``[t]``: the global positions of the queries and keys, both None for ``0 .. s-1``.
+  kv_index ``[h]``: the kv head each query head reads; None for grouped-query
+  attention's ``i // (h / g)`` (``g`` divides ``h``; the kv heads are not copied).
+  dropout: where the keep-mask is drawn (``Dropout``), None for none.
+  core: how the keys are reached, ``core_of(context)``; None for ``local``.
+  """
+  return (core or local)(q, k, v, spec, q_positions, k_positions, kv_index, dropout)
+
+
+def core_of(context: ContextSplit | None):
+  """The core that attends over a sequence split as ``context`` says: ``local`` when it
+  is not split (the keys given are every key), else its strategy's (``all_gather`` or
+  ``ring``), whose queries and keys are this context device's slots."""
+  if context is None:
+    return local
+  return AllGather(context) if context.strategy == "all_gather" else Ring(context)
+
+
+def local(q, k, v, spec, q_positions, k_positions, kv_index, dropout):
+  """The core over keys that are every key a query sees (``attend``'s arguments).
+
+  Without dropout or soft-capping this is ``jax.nn.dot_product_attention`` (XLA's
+  implementation: the same formula, scores in float32; a window or positions are its
+  mask). Dropout on the probabilities needs them materialised, which no fused kernel
+  exposes, and no fused kernel here soft-caps, so those keep the explicit form.
+  """
+  if kv_index is not None:  # each query head's own kv head (replicas straddling groups)
+    k, v = jnp.take(k, kv_index, axis=2), jnp.take(v, kv_index, axis=2)
+  rate = spec.dropout if dropout is not None else 0.0
+  if q_positions is None:
+    s = q.shape[1]
+    mask = None
+    if spec.window is not None:
+      pos = jnp.arange(s)
+      mask = visible_keys(pos[:, None], pos[None, :], spec.window)[None, None]
+    if rate == 0.0 and spec.softcap is None:
+      if mask is None and spec.scale is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=spec.scale, is_causal=True)
+    if mask is None:
+      mask = jnp.tril(jnp.ones((s, s), bool))
+    keep = None if rate == 0.0 else ops.keep_mask(dropout.key, rate, dropout.rows, (s, s),
+                                                  dropout.heads)
+    return _explicit(q, k, v, mask, spec, keep)
+  mask = visible_keys(q_positions[..., :, None], k_positions[None, :], spec.window)
+  mask = mask[None, None] if mask.ndim == 2 else mask[:, None]  # [b | 1, 1, s, t]
+  if rate == 0.0 and spec.softcap is None:
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=spec.scale)
+  keep = None if rate == 0.0 else dropout.keep_at(rate, q_positions, k_positions)
+  return _explicit(q, k, v, mask, spec, keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGather:
+  """Context parallelism's default core: this device's k and v (only the kv heads its
+  model shard holds) all-gathered over ``"context"``, so its queries see every key;
+  the backward reduce-scatters their cotangents. Positions are the split's."""
+
+  split: ContextSplit
+
+  def __call__(self, q, k, v, spec, q_positions, k_positions, kv_index, dropout):
+    k, v = self.split.gather(k), self.split.gather(v)
+    k_positions = jnp.asarray(self.split.gathered_positions, jnp.int32)
+    return local(q, k, v, spec, self.split.positions(), k_positions, kv_index,
+                 _over(dropout, self.split))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """Context parallelism's ring core (``flax_tp.ring_attention``): the k/v blocks
+  travel around the context devices, two in memory whatever ``C``. Positions are the
+  split's."""
+
+  split: ContextSplit
+
+  def __call__(self, q, k, v, spec, q_positions, k_positions, kv_index, dropout):
+    if kv_index is None:
+      kv_index = jnp.arange(q.shape[2]) // (q.shape[2] // k.shape[2])
+    dropout = _over(dropout, self.split)
+    rate = spec.dropout if dropout is not None else 0.0
+    keep_rows = dropout.keep_rows(rate, self.split.positions()) if rate > 0.0 else None
+    return ring_attention(q, k, v, kv_index, split=self.split, scale=spec.scale,
+                          softcap=spec.softcap, window=spec.window, keep_rows=keep_rows,
+                          rate=rate)
+
+
+def _over(dropout: Dropout | None, split: ContextSplit) -> Dropout | None:
+  """``dropout`` drawn for the whole sequence the split holds."""
+  return None if dropout is None else dataclasses.replace(dropout, seq_len=split.seq_len)
+
+
+def visible_keys(query_pos: jax.Array, key_pos: jax.Array,
+                 window: int | jax.Array | None) -> jax.Array:
+  """Which keys each query sees: ``key_pos <= query_pos``, and with a sliding
+  ``window`` only its last ``window`` ones (transformers' ``kv_idx > q_idx - window``).
+
+  query_pos ``[..., q, 1]`` and key_pos ``[..., 1, t]`` broadcast to ``[..., q, t]``.
+  """
+  seen = key_pos <= query_pos
+  if window is not None:
+    seen = seen & (key_pos > query_pos - window)
+  return seen
+
+
+def _explicit(q, k, v, mask, spec, keep):
+  """Softmax attention with the probabilities materialised: scores ``[b, h, s, t]`` in
+  float32 (soft-capped), ``mask`` (broadcasting to them), dropout's ``keep`` mask or
+  None."""
+  group = q.shape[2] // k.shape[2]
+  if group > 1:
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1])) if spec.scale is None else spec.scale
+  scores = jnp.einsum("bqhk,bthk->bhqt", q, k, preferred_element_type=jnp.float32) * scale
+  scores = jnp.where(mask, ops.softcap_of(scores, spec.softcap), jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  if keep is not None:
+    probs = ops.apply_keep(probs, keep, spec.dropout)
+  return jnp.einsum("bhqt,bthk->bqhk", probs.astype(v.dtype), v)
