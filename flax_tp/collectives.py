@@ -21,6 +21,8 @@ a collective over one device, so a replicated value passes through unchanged
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from flax_tp.mesh import MODEL_AXIS
@@ -156,7 +158,8 @@ def all_gather(x: jax.Array, axis: int = 0, axis_name: str = MODEL_AXIS) -> jax.
   return jax.lax.all_gather(x, axis_name, axis=axis % x.ndim, tiled=True, to="invarying")
 
 
-def gather_to_parallel(x: jax.Array, axis: int = 1, axis_name: str = MODEL_AXIS) -> jax.Array:
+def gather_to_parallel(x: jax.Array, axis: int = 1,
+                       axis_name: str | tuple[str, ...] = MODEL_AXIS) -> jax.Array:
   """All-gathers ``x`` along ``axis`` as input to per-device work (sequence parallelism).
 
   ``x``: ``[..., n_local, ...]`` varying over ``axis_name``; returns
@@ -166,6 +169,12 @@ def gather_to_parallel(x: jax.Array, axis: int = 1, axis_name: str = MODEL_AXIS)
   ``reduce_scatter`` replaces ``copy_to_parallel`` and a row layer's all-reduce
   when activations between blocks are split over the sequence.
   """
+  if isinstance(axis_name, tuple):
+    live = _live_axes(x, axis_name, "gather_to_parallel")
+    if not live:
+      return x
+    x = copy_to_parallel(x, live)
+    return jax.lax.all_gather(x, live, axis=axis % x.ndim, tiled=True, to="varying")
   _require_bound(axis_name, "gather_to_parallel")
   if _is_trivial(x, axis_name):
     return x
@@ -173,20 +182,25 @@ def gather_to_parallel(x: jax.Array, axis: int = 1, axis_name: str = MODEL_AXIS)
   return jax.lax.all_gather(x, axis_name, axis=axis % x.ndim, tiled=True, to="varying")
 
 
-def reduce_scatter(x: jax.Array, axis: int = 0, axis_name: str = MODEL_AXIS) -> jax.Array:
+def reduce_scatter(x: jax.Array, axis: int = 0,
+                   axis_name: str | tuple[str, ...] = MODEL_AXIS) -> jax.Array:
   """Sums ``x`` over ``axis_name`` and keeps this device's block of ``axis``.
 
   ``x``: ``[..., n, ...]`` with ``n`` divisible by the axis size; returns
-  ``[..., n / axis_size, ...]`` varying over ``axis_name``.
+  ``[..., n / axis_size, ...]`` varying over ``axis_name``. Several axes: one
+  reduce-scatter over all of them, the blocks in row-major order of the axes as given
+  (``gather_to_parallel``'s inverse).
   """
-  _require_bound(axis_name, "reduce_scatter")
-  size = jax.lax.axis_size(axis_name)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  live = _live_axes(x, names, "reduce_scatter")
+  size = math.prod(jax.lax.axis_size(n) for n in names)
   if x.shape[axis] % size:
     raise ValueError(
         f"reduce_scatter: dimension {axis} of size {x.shape[axis]} is not divisible "
         f"by the size {size} of axis {axis_name!r}; pad it first (see ShardLayout)"
     )
-  if _is_trivial(x, axis_name):
+  if not live:
     return x
-  x = _vary(x, axis_name)
-  return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis % x.ndim, tiled=True)
+  x = copy_to_parallel(x, live)
+  return jax.lax.psum_scatter(x, live if isinstance(axis_name, tuple) else live[0],
+                              scatter_dimension=axis % x.ndim, tiled=True)

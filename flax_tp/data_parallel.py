@@ -59,7 +59,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import all_gather, axis_is_bound, copy_to_parallel, shard_index
-from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS
+from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, MeshAxes
 from flax_tp.param_info import FSDP_DIM, FSDP_PER_BLOCK, ParamInfo, record
 
 __all__ = ["FSDP_DIM", "FSDP_PER_BLOCK", "fsdp_axes", "fsdp_dim", "gather_block", "gather_for_step",
@@ -74,7 +74,7 @@ def batch_axes() -> tuple[str, ...]:
   """Inside a ``shard_map``: the bound axes whose devices hold different tokens of the
   step (``"data"``, and ``"context"`` on a mesh with one), over which a replicated
   param's gradient is summed, in one all-reduce."""
-  return tuple(a for a in (DATA_AXIS, CONTEXT_AXIS) if axis_is_bound(a))
+  return tuple(a for a in MeshAxes.BATCH_ROLES if axis_is_bound(a))
 
 
 def global_rows(local_batch: int) -> jax.Array:
@@ -120,7 +120,7 @@ def _within_model_shards(info: ParamInfo, data_size: int) -> int | None:
 def fsdp_axes(mesh) -> tuple[str, ...]:
   """The axes FSDP splits params over on ``mesh``: ``"data"``, and ``"context"`` with it
   when the mesh has one (every device holding other tokens holds another slice)."""
-  return tuple(a for a in (DATA_AXIS, CONTEXT_AXIS) if a in mesh.axis_names)
+  return tuple(a for a in MeshAxes.BATCH_ROLES if a in mesh.axis_names)
 
 
 def _placement(info: ParamInfo, var: nnx.Variable, axes: tuple[str, ...], mesh):
@@ -184,7 +184,7 @@ def _split_axes(entry) -> tuple[tuple[str, ...], bool]:
   is gathered over, and whether it is whole under tensor parallelism (``"model"``
   after them, so gathered over ``"model"`` too)."""
   entry = (entry,) if isinstance(entry, str) else tuple(entry)
-  axes = tuple(a for a in entry if a in (DATA_AXIS, CONTEXT_AXIS))
+  axes = tuple(a for a in entry if a in MeshAxes.BATCH_ROLES)
   return axes, entry[0] != MODEL_AXIS and MODEL_AXIS in entry
 
 

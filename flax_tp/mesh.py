@@ -4,7 +4,9 @@
 A mesh always has ``"data"`` (data parallelism, FSDP, the experts) and ``"model"``
 (tensor and sequence parallelism); ``"context"`` (the sequence split for long contexts)
 joins them, between the two, when it has more than one device. A role without an axis
-has size 1: ``MeshAxes.of(mesh)`` reads every role's size from any mesh.
+has size 1: ``MeshAxes.of(mesh)`` reads every role's size from any mesh. Which axes a
+mixture of experts' experts split over is the record's too (``MeshAxes.expert_axes``):
+``"data"`` by default, with ``"context"`` and/or ``"model"`` if asked.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ class MeshAxes:
 
   ROLES = (DATA_AXIS, CONTEXT_AXIS, MODEL_AXIS)
   OPTIONAL = (CONTEXT_AXIS,)
+  # The roles whose devices hold different tokens of one step (gradients are summed
+  # over them), and those a mixture of experts' experts may split over: always "data",
+  # then "context" (each context shard's tokens go to the experts on the others) and
+  # "model" (each expert whole on one device, its FFN not split: Megatron's
+  # expert-tensor-parallel size 1).
+  BATCH_ROLES = (DATA_AXIS, CONTEXT_AXIS)
+  EXPERT_ROLES = (DATA_AXIS, CONTEXT_AXIS, MODEL_AXIS)
+  DEFAULT_EXPERT_ROLES = (DATA_AXIS,)
 
   @classmethod
   def parse(cls, spec: str | Sequence[int] | MeshAxes) -> MeshAxes:
@@ -116,7 +126,34 @@ class MeshAxes:
   def batch_axes(self) -> tuple[str, ...]:
     """The axes whose devices hold different tokens of one step, over which a param's
     gradient is summed: ``"data"``, and ``"context"`` when it has an axis."""
-    return tuple(r for r in (DATA_AXIS, CONTEXT_AXIS) if r in self.axis_names)
+    return tuple(r for r in self.BATCH_ROLES if r in self.axis_names)
+
+  @classmethod
+  def expert_roles(cls, roles: str | Sequence[str] = DEFAULT_EXPERT_ROLES
+                   ) -> tuple[str, ...]:
+    """The roles a mixture of experts' experts split over, checked and in device order:
+    ``"data"`` and any of ``"context"``, ``"model"`` (a tuple, or a string
+    ``"data,context"``). ``ValueError`` naming the value for an unknown or repeated
+    role, or one without ``"data"``."""
+    given = tuple(r.strip() for r in roles.split(",")) if isinstance(roles, str) else (
+        tuple(roles) if isinstance(roles, (tuple, list)) else None)
+    expected = (f"expected roles among {', '.join(cls.EXPERT_ROLES)}, {DATA_AXIS!r} "
+                "among them (e.g. 'data' or 'data,context')")
+    if given is None or not all(isinstance(r, str) for r in given):
+      raise ValueError(f"bad expert axes {roles!r}: {expected}")
+    unknown = [r for r in given if r not in cls.EXPERT_ROLES]
+    if unknown or len(set(given)) != len(given) or DATA_AXIS not in given:
+      why = (f"unknown role {unknown[0]!r}" if unknown else "a role given twice"
+             if len(set(given)) != len(given) else f"no {DATA_AXIS!r}")
+      raise ValueError(f"bad expert axes {roles!r}: {why}; {expected}")
+    return tuple(r for r in cls.EXPERT_ROLES if r in given)
+
+  def expert_axes(self, roles: str | Sequence[str] = DEFAULT_EXPERT_ROLES
+                  ) -> tuple[str, ...]:
+    """The mesh axes the experts split over: those of ``roles`` (``expert_roles``) with
+    more than one device here, in device order (a split over them is row-major in this
+    order). ``()``: every expert on every device."""
+    return tuple(r for r in self.expert_roles(roles) if self.size(r) > 1)
 
   def __str__(self) -> str:
     """``"DxM"`` without a context axis, else ``"DxCxM"``."""

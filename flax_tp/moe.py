@@ -19,6 +19,16 @@ Where things live on a ``("data", "model")`` mesh (Megatron's expert x tensor pa
   the shard each token came from, and summed over ``"model"``. Backward mirrors
   this: output cotangents are all-gathered, input cotangents reduce-scattered.
 
+Other layouts (``MoE(..., expert_axes=...)``, the mesh record's ``MeshAxes.expert_axes``;
+``Execution.expert_axes`` in the model): the experts split over ``"data"`` and
+``"context"`` together (``ShardLayout(E, D * C)``, row-major over the two), each context
+shard's tokens then all-gathered over both axes at once and the outputs reduce-scattered
+back; or over ``"model"`` too, each expert whole on one device (its FFN not split,
+Megatron's expert-tensor-parallel size 1): the model devices hold the same tokens, each
+runs its own experts on them, and the outputs are summed over ``"model"`` as the split
+FFN's partial sums are. What a step computes does not depend on the layout; a
+checkpoint moves between them.
+
 Under sequence parallelism (``MoE(x, seq)`` in a map, ``x`` this device's block of the
 sequence, as between Megatron-SP blocks) each device routes its own block, leaving the
 padding rows out of the statistics, then gathers the tokens and their routing over
@@ -27,9 +37,10 @@ reduce-scattered back to the block instead of all-reduced. The replicated router
 shared-expert gate so see each token once, and their gradients need no extra sum.
 
 Under context parallelism (``MoE(x, seq, context=split)``, ``x`` this device's slots of
-the sequence) the experts stay split over ``"data"`` and replicated over ``"context"``:
-each context shard dispatches its own tokens over ``"data"`` as above, its padding slots
-routed nowhere and left out of the statistics (sum them over data and context). A
+the sequence) the experts are split over ``"data"`` and replicated over ``"context"``
+(unless ``expert_axes`` names it): each context shard dispatches its own tokens over
+``"data"`` as above, its padding slots routed nowhere and left out of the statistics
+(sum them over data and context). A
 capacity's drops are decided over the whole batch from the routing alone, gathered over
 both axes, so they are one device's (``_context_routing``).
 
@@ -77,7 +88,7 @@ from flax_tp.collectives import (
 from flax_tp.context import ContextSplit
 from flax_tp.layer import ParallelModule, map_mesh
 from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_parallel
-from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, split_over
+from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, MeshAxes, split_over
 from flax_tp.padding import masked
 from flax_tp.param_info import MESH_KEY, NAMES_KEY, keys_of
 from flax_tp.params import place, sharded_param
@@ -284,8 +295,10 @@ class MoE(ParallelModule):
   """A mixture-of-experts MLP: ``y = sum_k w_k expert_k(x)`` (+ a gated shared expert).
 
   Params (global, padded): ``router [d, E]`` replicated; ``gate, up [E_pad, d, I_pad]``
-  and ``down [E_pad, I_pad, d]`` split over ``"data"`` on the experts and over
-  ``"model"`` on the FFN width (see the module docstring); with ``shared_d_ff``, a
+  and ``down [E_pad, I_pad, d]`` split over ``expert_axes`` on the experts (``"data"``
+  by default; with ``"context"`` and/or ``"model"`` if named and on the mesh) and over
+  ``"model"`` on the FFN width unless the experts are (see the module docstring); with
+  ``shared_d_ff``, a
   dense ``shared_gate``/``shared_up`` (column) and ``shared_down`` (row) MLP of that
   width, and ``shared_expert_gate [d, 1]`` replicated.
 
@@ -308,6 +321,7 @@ class MoE(ParallelModule):
                mesh: jax.sharding.Mesh, normalize_top_k: bool = True,
                shared_d_ff: int | None = None, capacity_factor: float | None = None,
                drop_policy: str = "probs", axis_name: str = MODEL_AXIS,
+               expert_axes: str | tuple[str, ...] = MeshAxes.DEFAULT_EXPERT_ROLES,
                dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None,
                expert_init: Any = default_expert_init,
                router_init: Any = default_router_init,
@@ -334,8 +348,17 @@ class MoE(ParallelModule):
     self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
     self.normalize_top_k = normalize_top_k
     self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
-    self.expert_layout = ShardLayout(num_experts, mesh.shape[DATA_AXIS])
-    self.ffn_layout = ShardLayout(d_ff, self.parallel_size)
+    # The mesh axes the experts split over (the record's rule: "data", and "context" or
+    # "model" if asked, those with more than one device); with "model" among them each
+    # expert is whole on its device and its FFN is not split.
+    self.expert_axes = MeshAxes.of(mesh).expert_axes(expert_axes)
+    if MODEL_AXIS in self.expert_axes and axis_name != MODEL_AXIS:
+      raise ValueError(f"expert_axes {expert_axes!r} names {MODEL_AXIS!r}, but this MoE's "
+                       f"tensor-parallel axis is {axis_name!r}")
+    self.expert_layout = ShardLayout(
+        num_experts, math.prod(mesh.shape[a] for a in self.expert_axes))
+    self.ffn_layout = ShardLayout(
+        d_ff, 1 if MODEL_AXIS in self.expert_axes else self.parallel_size)
     self.router = sharded_param(router_init, rngs.params(), (d_model, num_experts),
                                 param_dtype, mesh=mesh, axis_name=axis_name, dim=None,
                                 name="router")
@@ -360,11 +383,13 @@ class MoE(ParallelModule):
   def _expert_param(self, init: Any, rngs: nnx.Rngs, shape: tuple[int, int, int],
                     ffn_dim: int) -> nnx.Param:
     """An experts' weight drawn whole (as one ``init`` call on the logical shape), padded
-    on the experts (over "data") and the FFN width (over "model"), and placed."""
+    on the experts (over ``expert_axes``) and the FFN width (over "model", unless the
+    experts are split over it), and placed."""
     full = np.asarray(init(rngs.params(), shape, self.param_dtype))
     names = [None, None, None]
-    names[0] = split_over(DATA_AXIS, self.expert_layout.parts)
-    names[ffn_dim] = split_over(self.axis_name, self.parallel_size)
+    axes = self.expert_axes
+    names[0] = axes[0] if len(axes) == 1 else axes if axes else None
+    names[ffn_dim] = split_over(self.axis_name, self.ffn_layout.parts)
     stored = self.expert_layout.pad(self.ffn_layout.pad(full, ffn_dim), 0)
     meta = {NAMES_KEY: tuple(names), MESH_KEY: self.mesh,
             **keys_of(dict(layout=self.ffn_layout, dim=ffn_dim,
@@ -458,7 +483,7 @@ class MoE(ParallelModule):
     routed = jnp.broadcast_to(valid[:, None], experts.shape)
     if self.capacity_factor is None or dropless:
       return routed, jnp.zeros((), jnp.float32)
-    axes = tuple(a for a in (DATA_AXIS, CONTEXT_AXIS) if is_varying(x, a))
+    axes = tuple(a for a in MeshAxes.BATCH_ROLES if is_varying(x, a))
     first_row = shard_index(DATA_AXIS) * rows if DATA_AXIS in axes else 0
     row = first_row + jnp.arange(rows)
     token = (row[:, None] * context.padded_len + context.positions()[None, :]).reshape(-1)
@@ -487,27 +512,35 @@ class MoE(ParallelModule):
 
   def _routed(self, xc: Array, weights: Array, experts: Array, compute_dtype: Any,
               dropless: bool, routed: Array | None = None) -> tuple[Array, Array]:
-    """This data shard's tokens ``xc [n, d]`` with their routing ``weights, experts
-    [n, k]`` through the experts: ``[n, d]``, this device's partial sum over
-    ``"model"`` (the caller reduces it), and how many choices this shard's experts
-    dropped (zero without a capacity). ``routed [n, k]`` (context parallel): the
-    choices that go to their experts, all of them run dropless; the others add nothing
-    (``_context_routing`` decided)."""
+    """This device's tokens ``xc [n, d]`` with their routing ``weights, experts [n, k]``
+    through the experts: ``[n, d]``, this device's partial sum over ``"model"`` (the
+    caller reduces it), and how many choices this device's experts dropped (zero
+    without a capacity). ``routed [n, k]`` (context parallel): the choices that go to
+    their experts, all of them run dropless; the others add nothing
+    (``_context_routing`` decided).
+
+    Over each axis the experts split over (``expert_axes``): where the devices hold
+    different tokens (``"data"`` and ``"context"`` in the step) every device's tokens
+    and routing come to every device (one all-gather over those axes together), each
+    runs the choices its experts own, and the outputs are reduce-scattered back; where
+    they hold the same tokens (``"model"``, whose devices see one data shard's tokens;
+    a replicated input) each runs them through its own experts and the partial outputs
+    are summed (over ``"model"`` by the caller, with the FFN's partial sums)."""
     layout = self.expert_layout
-    spread = layout.parts > 1  # the experts are split over "data"
-    # Each data shard has its own tokens (the step's case): every shard's tokens come
-    # to every shard. The same tokens on every shard (a replicated input): each shard
-    # runs them through its experts and the partial outputs are summed.
-    gathered = spread and is_varying(xc, DATA_AXIS)
-    if gathered:
-      xc = gather_to_parallel(xc, axis=0, axis_name=DATA_AXIS)
-      weights = gather_to_parallel(weights, axis=0, axis_name=DATA_AXIS)
-      experts = jax.lax.all_gather(experts, DATA_AXIS, axis=0, tiled=True)
+    exchange = tuple(a for a in self.expert_axes
+                     if a != self.axis_name and is_varying(xc, a))
+    summed = tuple(a for a in self.expert_axes if a != self.axis_name and a not in exchange)
+    if exchange:
+      xc = gather_to_parallel(xc, axis=0, axis_name=exchange)
+      weights = gather_to_parallel(weights, axis=0, axis_name=exchange)
+      experts = jax.lax.all_gather(experts, exchange, axis=0, tiled=True)
       if routed is not None:
-        routed = jax.lax.all_gather(routed, DATA_AXIS, axis=0, tiled=True)
+        routed = jax.lax.all_gather(routed, exchange, axis=0, tiled=True)
     offsets = jnp.asarray(layout.offsets, jnp.int32)
     owner = jnp.searchsorted(offsets, experts, side="right") - 1
-    here = shard_index(DATA_AXIS) if spread else 0
+    here = 0  # this device's block of the experts: row-major over expert_axes
+    for a in self.expert_axes:
+      here = here * jax.lax.axis_size(a) + shard_index(a)
     mine = owner == here if routed is None else (owner == here) & routed
     slots = jnp.where(mine, experts - offsets[owner], layout.padded_size)
     gate, up, down = (w.astype(compute_dtype) for w in self._local_experts())
@@ -520,15 +553,17 @@ class MoE(ParallelModule):
                                  self.capacity_factor)
       y, dropped = capacity_swiglu(xc, slots, weights, gate, up, down, capacity,
                                    self.drop_policy, self.precision)
-      if is_varying(dropped, self.axis_name):  # sequence parallel: equal on every device
-        dropped = jax.lax.pmax(jax.lax.stop_gradient(dropped), self.axis_name)
-    if gathered:  # each token's partial outputs back to its own shard, summed
-      y = reduce_scatter(y, axis=0, axis_name=DATA_AXIS)
-    elif spread:
-      y = all_reduce(y, "sum", DATA_AXIS)
-      if self.capacity_factor is not None and not dropless and routed is None:
-        # each shard its own experts'
-        dropped = all_reduce(dropped, "sum", DATA_AXIS)
+      dropped = jax.lax.stop_gradient(dropped)
+      if self.axis_name in self.expert_axes:  # each model shard its own experts'
+        dropped = all_reduce(dropped, "sum", self.axis_name)
+      elif is_varying(dropped, self.axis_name):  # sequence parallel: equal on every device
+        dropped = jax.lax.pmax(dropped, self.axis_name)
+      if summed:  # the same tokens on those devices: each its own experts'
+        dropped = all_reduce(dropped, "sum", summed)
+    if exchange:  # each token's partial outputs back to its own device, summed
+      y = reduce_scatter(y, axis=0, axis_name=exchange)
+    if summed:
+      y = all_reduce(y, "sum", summed)
     return y, dropped
 
   def _shared(self, x: Array, compute_dtype: Any, block: Array,
@@ -565,9 +600,12 @@ class MoE(ParallelModule):
     if x.shape[-1] != self.d_model:
       raise ValueError(f"MoE expects inputs [..., {self.d_model}], got {tuple(x.shape)}")
     if self._is_local():
-      if not axis_is_bound(DATA_AXIS):
-        raise ValueError(f"MoE inside a shard_map needs both axes bound ({DATA_AXIS!r} and "
-                         f"{self.axis_name!r}): its experts are split over {DATA_AXIS!r}")
+      unbound = [a for a in (DATA_AXIS, *self.expert_axes, self.axis_name)
+                 if not axis_is_bound(a)]
+      if unbound:
+        raise ValueError(f"MoE inside a shard_map needs the axes {unbound} bound: its "
+                         f"experts are split over {self.expert_axes or (DATA_AXIS,)} and "
+                         f"their FFN over {self.axis_name!r}")
       if seq is not None and (x.ndim != 3 or x.shape[1] != seq.layout.padded_size
                               or self.axis_name != MODEL_AXIS):
         raise ValueError(f"MoE with sequence parallelism expects this device's block "

@@ -41,8 +41,17 @@ class Execution:
   # "all_gather" (each device gathers k and v over "context") or "ring" (k/v blocks
   # passed around the context devices: flax_tp.ring_attention).
   context_parallel: str = "all_gather"
+  # The mesh roles a mixture of experts' experts split over (flax_tp.MeshAxes.expert_roles):
+  # "data" (the default); with "context" too, each context shard's tokens reach the
+  # experts on the others and the experts take 1/(D*C) per device; with "model", each
+  # expert is whole on one device (its FFN not split: Megatron's expert-tensor-parallel
+  # size 1). A role with one device on the mesh splits nothing. Chosen when the experts
+  # are built (their params' layout); checkpoints move between every choice. A string
+  # "data,context" is taken too.
+  expert_axes: tuple[str, ...] = flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES
 
   def __post_init__(self):
+    object.__setattr__(self, "expert_axes", flax_tp.MeshAxes.expert_roles(self.expert_axes))
     if self.remat not in REMAT_CHOICES:
       raise ValueError(f"remat must be one of {REMAT_CHOICES}, got {self.remat!r}")
     if self.context_parallel not in CONTEXT_STRATEGIES:
@@ -56,7 +65,10 @@ class Execution:
                                   ("scanned layers", self.scan_layers),
                                   ("FSDP over data", self.fsdp),
                                   ("ring attention over context",
-                                   self.context_parallel == "ring")) if on]
+                                   self.context_parallel == "ring"),
+                                  (f"experts over {' x '.join(self.expert_axes)}",
+                                   self.expert_axes != flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES)
+                                  ) if on]
 
 
 def set_sequence_parallel(model: Any, on: bool) -> None:
@@ -96,9 +108,10 @@ def view(model: Any, execution: Execution) -> Any:
   differs only in what changes no param (sequence parallelism, remat): e.g. the
   decoder's, which has no sequence to split."""
   held = model.execution
-  if (held.scan_layers, held.fsdp) != (execution.scan_layers, execution.fsdp):
-    raise ValueError(f"a view may change sequence_parallel and remat only: {held} -> "
-                     f"{execution}")
+  if ((held.scan_layers, held.fsdp, held.expert_axes)
+      != (execution.scan_layers, execution.fsdp, execution.expert_axes)):
+    raise ValueError(f"a view may change sequence_parallel, remat and context_parallel "
+                     f"only: {held} -> {execution}")
   other = nnx.merge(*nnx.split(model))
   set_sequence_parallel(other, execution.sequence_parallel)
   other.execution = execution

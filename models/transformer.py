@@ -179,21 +179,26 @@ class ParallelMLP(nnx.Module):
     return self.down(layout.for_scatter(hidden))
 
 
-def moe_layer(cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs) -> flax_tp.MoE:
-  """A block's mixture of experts: experts over "data", each expert's FFN over "model"."""
+def moe_layer(cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs,
+              expert_axes: tuple[str, ...] = flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES
+              ) -> flax_tp.MoE:
+  """A block's mixture of experts: experts over ``expert_axes`` (``Execution``'s; "data"
+  by default), each expert's FFN over "model" unless the experts split over it."""
   return flax_tp.MoE(cfg.d_model, cfg.expert_width, cfg.num_experts, cfg.experts_per_token,
-                     mesh=mesh, normalize_top_k=cfg.normalize_top_k,
+                     mesh=mesh, normalize_top_k=cfg.normalize_top_k, expert_axes=expert_axes,
                      shared_d_ff=cfg.shared_expert_d_ff,
                      capacity_factor=cfg.expert_capacity_factor,
                      drop_policy=cfg.expert_drop_policy, dtype=cfg.compute_dtype, rngs=rngs)
 
 
 class ParallelBlock(nnx.Module):
-  def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs, layer: int = 0):
+  def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs, layer: int = 0,
+               expert_axes: tuple[str, ...] = flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES):
     self.ln1 = cfg.norm_layer(rngs)
     self.attn = ParallelAttention(cfg, mesh=mesh, rngs=rngs)
     self.ln2 = cfg.norm_layer(rngs)
-    self.mlp = (moe_layer(cfg, mesh=mesh, rngs=rngs) if cfg.is_moe_layer(layer)
+    self.mlp = (moe_layer(cfg, mesh=mesh, rngs=rngs, expert_axes=expert_axes)
+                if cfg.is_moe_layer(layer)
                 else ParallelMLP(cfg, mesh=mesh, rngs=rngs))
     if cfg.sandwich_norm:  # Gemma 2/3: each branch's output normed before its residual add
       self.ln_attn_out = cfg.norm_layer(rngs)
@@ -268,7 +273,10 @@ class Transformer(nnx.Module):
     added before the execution is applied, so they are stacked and split as their base."""
     self.embed = flax_tp.VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, mesh=mesh,
                                                 dtype=cfg.compute_dtype, rngs=rngs)
-    self.blocks = nnx.List([ParallelBlock(cfg, mesh=mesh, rngs=rngs, layer=i)
+    # The experts' layout (Execution.expert_axes) is their params' placement: chosen
+    # as they are built, not by apply.
+    self.blocks = nnx.List([ParallelBlock(cfg, mesh=mesh, rngs=rngs, layer=i,
+                                          expert_axes=execution.expert_axes)
                             for i in range(cfg.num_layers)])
     self.ln_f = cfg.norm_layer(rngs)
     if not cfg.tie_embeddings:

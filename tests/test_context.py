@@ -203,9 +203,14 @@ def test_ring_collectives_are_the_block_shifts_and_one_gradient_reduction():
 # A mixture of experts on a context mesh: every context shard's tokens routed, the
 # padding slots in no expert's queue and no statistic, and a capacity's drops those of
 # one device over the whole batch (the load-balancing loss is in both losses).
+# With Execution(expert_axes=...) the experts split over data x context (each context
+# shard's tokens dispatched to the experts on the others) or also over model (each
+# expert whole on one device).
 MOE = [
     ("2x2x2", 13, {}, Execution()),
     ("1x4x2", 13, dict(expert_capacity_factor=1.0), Execution(sequence_parallel=True)),
+    ("2x2x2", 13, dict(expert_capacity_factor=0.75),
+     Execution(sequence_parallel=True, expert_axes=("data", "context"))),
 ]
 SLOW_MOE = [
     ("2x2x2", 11, dict(expert_capacity_factor=0.75, expert_drop_policy="position"),
@@ -213,6 +218,11 @@ SLOW_MOE = [
     ("2x3x1", 14, dict(expert_capacity_factor=1.0, shared_expert_d_ff=20),
      Execution(fsdp=True, remat="block")),
     ("4x2x1", 9, dict(expert_capacity_factor=1.25), Execution(context_parallel=RING)),
+    ("2x3x1", 14, dict(shared_expert_d_ff=20),
+     Execution(fsdp=True, remat="block", expert_axes=("data", "context"))),
+    ("1x4x2", 11, dict(expert_capacity_factor=1.0, expert_drop_policy="position"),
+     Execution(context_parallel=RING, scan_layers=True, expert_axes=("data", "context", "model"))),
+    ("2x2x2", 13, {}, Execution(sequence_parallel=True, expert_axes=("data", "model"))),
 ]
 
 
@@ -222,6 +232,39 @@ SLOW_MOE = [
 def test_a_mixture_of_experts_on_a_context_mesh_is_the_one_device_model(
     mesh_spec, seq_len, options, execution):
   _check_against_reference(mesh_spec, seq_len, options, execution, preset="moe-tiny")
+
+
+def test_experts_over_data_and_context_dispatch_over_both_and_hold_a_share_each():
+  """moe-tiny (6 experts, FFN 90) on 2x2x2 with the experts over data x context: each
+  device holds 2 experts (6 over 4, padded) and half of their FFN, 1/(D*C*M) of the
+  expert weights; the step's dispatch gathers the tokens and their routing over
+  ("data", "context") together and reduce-scatters the outputs back, and no expert
+  weight or gradient crosses a device. Over data alone, the experts are replicated over
+  context and their gradients are all-reduced over it (the bytes this layout saves)."""
+  cfg = TransformerConfig.preset("moe-tiny", num_layers=1)
+  model = Transformer(cfg, mesh=flax_tp.make_mesh("2x2x2"), rngs=nnx.Rngs(0),
+                      execution=Execution(expert_axes=("data", "context")))
+  gate = model.blocks[0].mlp.gate[...]
+  assert gate.addressable_shards[0].data.shape == (2, cfg.d_model, 45)
+  expert_shapes = {(2, cfg.d_model, 45), (2, 45, cfg.d_model), tuple(gate.shape)}
+  tokens = 8 * 14  # the step's rows and S + 1 tokens
+  found = _step_collectives(cfg, Execution(expert_axes=("data", "context")))
+  for c in found:
+    assert not {shape for _, shape in c.operands} & expert_shapes, c
+  dispatch = [(c.kind, c.operands[0][1]) for c in found if c.axes == ("data", "context")
+              and c.kind in ("all-gather", "reduce-scatter")]
+  slots = 4 * ContextSplit(14, 2).local_len  # this device's rows x slots
+  assert sorted(dispatch) == sorted(
+      [("all-gather", (2 * 2 * slots, cfg.d_model))] * 2  # tokens; output cotangents
+      + [("all-gather", (2 * 2 * slots, 2))] * 3  # weights, experts, kept choices
+      # outputs; token cotangents; the weights' cotangents
+      + [("reduce-scatter", (slots, cfg.d_model))] * 2 + [("reduce-scatter", (slots, 2))])
+  assert slots * 4 >= tokens
+  assert not [c for c in found if c.axes == ("data",)]
+  over_data = _step_collectives(cfg, Execution())
+  context_sums = [shape for c in over_data if c.axes == ("context",) and c.kind == "all-reduce"
+                  for _, shape in c.operands]
+  assert sorted(context_sums) == sorted([(3, cfg.d_model, 45)] * 2 + [(3, 45, cfg.d_model)])
 
 
 def test_a_capacity_on_a_context_mesh_drops_what_one_device_drops():

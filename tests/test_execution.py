@@ -16,12 +16,19 @@ from models.transformer import Transformer
 
 def test_the_architecture_holds_no_execution_field():
   names = {f.name for f in dataclasses.fields(Execution)}
-  assert names == {"sequence_parallel", "remat", "scan_layers", "fsdp", "context_parallel"}
+  assert names == {"sequence_parallel", "remat", "scan_layers", "fsdp", "context_parallel",
+                   "expert_axes"}
   assert not names & {f.name for f in dataclasses.fields(TransformerConfig)}
   with pytest.raises(ValueError, match="remat must be one of .* got 'sometimes'"):
     Execution(remat="sometimes")
   assert Execution(sequence_parallel=True, remat="block", fsdp=True).describe() == [
       "sequence parallel", "remat block", "FSDP over data"]
+  # The experts' axes: checked, in device order, a string taken as the CLI gives it.
+  assert Execution().expert_axes == ("data",)
+  assert Execution(expert_axes=("context", "data")).expert_axes == ("data", "context")
+  assert Execution(expert_axes="data,model").describe() == ["experts over data x model"]
+  with pytest.raises(ValueError, match="bad expert axes 'model': no 'data'"):
+    Execution(expert_axes="model")
 
 
 def test_apply_in_its_order_and_a_view_shares_the_params():
@@ -45,7 +52,8 @@ def test_apply_in_its_order_and_a_view_shares_the_params():
   for a, b in zip(jax.tree.leaves(nnx.state(plain)), jax.tree.leaves(nnx.state(model)),
                   strict=True):
     assert a is b  # the same arrays, not copies
-  with pytest.raises(ValueError, match="a view may change sequence_parallel and remat only"):
+  with pytest.raises(ValueError, match="a view may change sequence_parallel, remat and "
+                     "context_parallel only"):
     view(model, Execution())
 
 

@@ -96,6 +96,11 @@ def test_family_equals_transformers(meshes, name, mesh_spec):
     # its dense and MoE layers scanned as runs of one kind, experts under SP and FSDP
     ("qwen2_moe", "2x4", Execution(scan_layers=True, sequence_parallel=True, fsdp=True,
                                    remat="dots_saveable")),
+    # each expert whole on one device: 8 experts over data x model
+    ("qwen3_moe", "2x4", Execution(expert_axes=("data", "model"))),
+    pytest.param("mixtral", "4x2", Execution(expert_axes=("data", "model"),
+                                             sequence_parallel=True, scan_layers=True),
+                 marks=pytest.mark.slow),
 ])
 def test_family_under_every_execution_option(meshes, name, mesh_spec, execution):
   model = load_hf(FIXTURES / name, meshes[mesh_spec], execution=execution)
@@ -121,6 +126,12 @@ RING = "ring"
     pytest.param("mistral", "1x8x1", Execution(context_parallel=RING), marks=pytest.mark.slow),
     pytest.param("mixtral", "2x2x2", Execution(sequence_parallel=True), marks=pytest.mark.slow),
     pytest.param("qwen2_moe", "2x3x1", Execution(context_parallel=RING),
+                 marks=pytest.mark.slow),
+    # the experts over data x context (and model): each context shard's tokens dispatched
+    pytest.param("mixtral", "2x2x2", Execution(expert_axes=("data", "context")),
+                 marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "1x4x2", Execution(expert_axes=("data", "context", "model"),
+                                                 sequence_parallel=True),
                  marks=pytest.mark.slow),
 ])
 def test_family_on_a_context_mesh_equals_transformers(name, mesh_spec, execution):
@@ -425,8 +436,10 @@ def test_a_moe_family_fine_tunes_resumes_exports_and_transformers_reads_it(tmp_p
   moved.mkdir()
   shutil.copytree(ck / "3", moved / "3")
   resumed = tmp_path / "r.jsonl"
-  assert main([*flags, "--mesh", "1x8", "--resume", "--checkpoint-dir", str(moved),
-               "--metrics-file", str(resumed)]) == 0
+  # resumed with each expert whole on one device (6 over 8: two zero experts)
+  assert main([*flags, "--mesh", "1x8", "--expert-axes", "data,model", "--resume",
+               "--checkpoint-dir", str(moved), "--metrics-file", str(resumed)]) == 0
+  assert "over model: 1, 1, 1, 1, 1, 1, 0, 0 per shard" in capsys.readouterr().out  # data: 1
   np.testing.assert_allclose(logged_losses(resumed)[0], losses[3], rtol=1e-5)
   out = tmp_path / "exported"
   assert export.main(["--checkpoint", str(moved), "--out", str(out), "--mesh", "2x4"]) == 0

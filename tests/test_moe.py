@@ -166,6 +166,102 @@ def test_capacity_drops_the_choices_the_policy_says(meshes, mesh_spec, policy, f
                                err_msg=name)
 
 
+# Experts over other axes than "data" (Execution.expert_axes): over data x context (each
+# context shard's tokens reach the experts on the others; here a standalone call, the
+# tokens the same on every context shard, so each runs its own experts and the outputs
+# are summed), and over data x model (each expert whole on one device, its FFN not
+# split). 6 experts over 4 and 8 devices: padded with zero experts.
+LAYOUTS = [("2x2x2", "data,context", None, "probs"), ("4x2", "data,model", 0.75, "position"),
+           ("1x2x4", "data,context,model", 1.0, "probs")]
+
+
+@pytest.mark.parametrize("mesh_spec,expert_axes,factor,policy", LAYOUTS)
+def test_expert_layouts_equal_a_loop_over_experts(mesh_spec, expert_axes, factor, policy):
+  """The experts split as ``expert_axes`` says (the FFN whole where "model" is among
+  them), at every layout the loop's output, dropped count, losses and every gradient."""
+  from flax_tp.moe import expert_capacity
+  mesh = flax_tp.make_mesh(mesh_spec)
+  axes = flax_tp.MeshAxes.of(mesh)
+  moe = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=mesh, shared_d_ff=SHARED_FF,
+            capacity_factor=factor, drop_policy=policy, expert_axes=expert_axes,
+            rngs=nnx.Rngs(0))
+  assert moe.expert_axes == axes.expert_axes(expert_axes)
+  over = [a for a in moe.expert_axes]
+  assert moe.gate[...].sharding.spec[0] == (over[0] if len(over) == 1 else tuple(over))
+  devices = int(np.prod([axes.size(a) for a in over]))
+  whole = "model" in expert_axes
+  assert moe.expert_layout.parts == devices and moe.ffn_layout.parts == (
+      1 if whole else axes.model)
+  local = moe.gate[...].addressable_shards[0].data.shape
+  assert local == (-(-EXPERTS // devices), D_MODEL, D_FF if whole else -(-D_FF // axes.model))
+  p = logical_params(moe)
+  for name, value in logical_params(MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=flax_tp.make_mesh(
+      "1x1"), shared_d_ff=SHARED_FF, rngs=nnx.Rngs(0))).items():
+    np.testing.assert_array_equal(p[name], value, err_msg=name)  # the same draws
+  x = make_inputs()
+  tokens = x.reshape(-1, D_MODEL)
+  capacity = None if factor is None else expert_capacity(TOKENS, TOP_K, EXPERTS, factor)
+  y, stats = jax.jit(lambda m, x: m(x))(moe, x)
+  ref_y, ref_aux, ref_z = loop_moe(p, tokens, TOP_K, True, capacity, policy)
+  np.testing.assert_allclose(y.reshape(-1, D_MODEL), ref_y, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(load_balancing_loss(stats), ref_aux, rtol=1e-6)
+  np.testing.assert_allclose(router_z_loss(stats), ref_z, rtol=1e-6)
+  if capacity is not None:
+    from models.reference import capacity_kept
+    weights, experts = jax.lax.top_k(jax.nn.softmax(tokens @ p["router"], -1), TOP_K)
+    kept = np.asarray(capacity_kept(experts, weights / weights.sum(-1, keepdims=True),
+                                    capacity, policy))
+    assert (~kept).sum() > 0 and float(stats.dropped) == (~kept).sum()
+
+  def loss(m):
+    y, stats = m(x)
+    return jnp.sum(y * jnp.cos(y)) + 0.1 * load_balancing_loss(stats)
+
+  grads = flat_grads(jax.jit(nnx.grad(loss))(moe))
+  ref_grads = jax.grad(lambda p: jnp.sum(
+      (r := loop_moe(p, tokens, TOP_K, True, capacity, policy))[0] * jnp.cos(r[0]))
+      + 0.1 * r[1])(p)
+  assert set(grads) == set(ref_grads)
+  for name, g in ref_grads.items():
+    np.testing.assert_allclose(grads[name], g, rtol=2e-5, atol=1e-5 * np.abs(g).max(),
+                               err_msg=name)
+
+
+def test_expert_axes_are_checked_by_name(meshes):
+  with pytest.raises(ValueError, match="bad expert axes 'context': no 'data'"):
+    MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=meshes["2x4"], expert_axes="context",
+        rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"bad expert axes \('data', 'stage'\): unknown role"):
+    MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=meshes["2x4"], expert_axes=("data", "stage"),
+        rngs=nnx.Rngs(0))
+  # A role with one device here splits nothing: the 2x4 mesh has no context axis.
+  moe = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=meshes["2x4"], expert_axes="data,context",
+            rngs=nnx.Rngs(0))
+  assert moe.expert_axes == ("data",) and moe.expert_layout.parts == 2
+
+
+def test_checkpoints_move_between_expert_layouts(tmp_path):
+  """Saved with the experts over data x model on 2x4 (one whole expert per device, two
+  zero ones), restored over data on 4x2, over data x context on 2x2x2 and over data x
+  context x model on 1x2x4: the same logical params, the padding zero."""
+  from flax_tp.checkpoint import Checkpointer
+  source = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=flax_tp.make_mesh("2x4"),
+               expert_axes="data,model", rngs=nnx.Rngs(0))
+  ck = Checkpointer(tmp_path / "ck")
+  ck.save(1, {"params": nnx.state(source, nnx.Param)}, {"step": 1})
+  want = logical_params(source)
+  for spec, axes in (("4x2", "data"), ("2x2x2", "data,context"),
+                     ("1x2x4", "data,context,model")):
+    target = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=flax_tp.make_mesh(spec),
+                 expert_axes=axes, rngs=nnx.Rngs(7))
+    restored, _ = ck.restore({"params": nnx.state(target, nnx.Param)})
+    nnx.update(target, restored["params"])
+    for name, value in logical_params(target).items():
+      np.testing.assert_array_equal(value, want[name], err_msg=f"{spec} {name}")
+    stored = np.asarray(target.gate[...])
+    assert np.all(stored[~target.expert_layout.valid_mask()] == 0), spec
+
+
 def test_padding_stays_zero_with_zero_gradient(meshes):
   """6 experts over 4 data shards (2, 2, 1, 1 + a zero expert on each of the last two)
   and an FFN of 10 over 2: the stored padding is zero and so is its gradient."""
