@@ -233,6 +233,9 @@ def test_no_blank_line_before_an_error_on_a_cold_cache(tmp_path, monkeypatch, ca
     (["--lora-rank", "4", "--lora-targets", ""], "--lora-targets '' names no layer"),
     (["--lora-rank", "4", "--lora-targets", " , "], "--lora-targets ' , ' names no layer"),
     (["--router-z-loss", "0.1"], "--router-z-loss 0.1 is for a model with experts"),
+    (["--expert-axes", "data,model"], "--expert-axes data,model is for a model with experts"),
+    (["--expert-axes", "context"], "--expert-axes: bad expert axes 'context': no 'data'"),
+    (["--expert-axes", "data,stage"], "unknown role 'stage'"),
     (["--lora-rank", "4", "--lora-targets", "no.such"], "--lora-targets: LoRA target "
      "'no.such' matches no column- or row-parallel layer"),
     (["--steps", "99999999999"], "--steps must be an integer in [1, 2147483647]"),
@@ -327,24 +330,28 @@ def test_a_context_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
 @pytest.mark.slow
 def test_a_mixture_of_experts_trains_on_a_context_mesh_as_on_2x4(tmp_path):
   """moe-tiny with a capacity that drops: --mesh 2x2x2 logs the losses and the router
-  figures (load, drops) --mesh 2x4 does: each context shard's tokens are routed, and a
-  capacity drops what it drops over the whole batch."""
+  figures (load, drops) --mesh 2x4 does, with the experts over data or over data x
+  context: each context shard's tokens are routed, and a capacity drops what it drops
+  over the whole batch."""
   import json
 
-  def run(mesh):
-    metrics = tmp_path / f"{mesh}.jsonl"
+  def run(mesh, *extra):
+    metrics = tmp_path / f"{mesh}{len(extra)}.jsonl"
     out = subprocess.run([*RUN, *TINY_RUN_FLAGS, "--preset", "moe-tiny", "--seq-len", "13",
                           "--expert-capacity-factor", "0.75", "--mesh", mesh, "--steps", "3",
-                          "--metrics-file", str(metrics)],
+                          "--metrics-file", str(metrics), *extra],
                          capture_output=True, text=True, env=env(), timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
 
-  context, plain = run("2x2x2"), run("2x4")
-  assert len(context) == len(plain) == 3
+  plain = run("2x4")
   figures = [k for k in plain[0] if "expert" in k or "router" in k]
   assert any("dropped" in k for k in figures), figures
   assert sum(r[k] for r in plain for k in figures if "dropped" in k) > 0  # drops happen
-  for one, other in zip(context, plain, strict=True):
-    for name in ["loss", *figures]:
-      assert one[name] == pytest.approx(other[name], rel=1e-5, abs=1e-7), name
+  # the experts over data, then over data x context (each context shard's tokens
+  # dispatched to the experts on the others)
+  for context in (run("2x2x2"), run("2x2x2", "--expert-axes", "data,context")):
+    assert len(context) == len(plain) == 3
+    for one, other in zip(context, plain, strict=True):
+      for name in ["loss", *figures]:
+        assert one[name] == pytest.approx(other[name], rel=1e-5, abs=1e-7), name

@@ -143,7 +143,7 @@ class Job:
                       expert_drop_policy="expert_drop_policy"),
         execution=section(Execution, sequence_parallel="sequence_parallel", remat="remat",
                           scan_layers="scan_layers", fsdp="fsdp",
-                          context_parallel="context_parallel"),
+                          context_parallel="context_parallel", expert_axes="expert_axes"),
         optimizer=section(OptimizerJob, lr="lr", warmup_steps="warmup_steps",
                           weight_decay="weight_decay", grad_clip="grad_clip"),
         loss=section(LossJob, label_smoothing="label_smoothing", z_loss="z_loss",

@@ -33,6 +33,7 @@ if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there i
   exit_on_interrupt("train/run.py")
 
 from flax_tp.context import STRATEGIES as CONTEXT_STRATEGIES
+from flax_tp.mesh import MeshAxes
 from flax_tp.remat import REMAT_CHOICES
 from models.config import TransformerConfig
 from models.execution import Execution
@@ -111,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="on a mesh with a context axis (DxCxM), how attention reaches the other "
                       "context shards' keys: all_gather them, or pass k/v blocks around a "
                       "ring (memory of two blocks whatever C); same results")
+  p.add_argument("--expert-axes", default=",".join(Execution.expert_axes),
+                 help="mixture of experts: the mesh axes the experts split over, 'data' and "
+                      "any of 'context' (each context shard's tokens reach the experts on "
+                      "the others) and 'model' (each expert whole on one device, its FFN not "
+                      "split); same results")
   p.add_argument("--fsdp", action="store_true",
                  help="also split params, gradients and optimizer state over the data axis "
                       "(ZeRO-3/FSDP): per-device memory / D; same results")
@@ -201,6 +207,10 @@ def check_args(args: argparse.Namespace) -> None:
   if args.lora_rank and not target_globs(args.lora_targets):
     raise UsageError(f"--lora-targets {args.lora_targets!r} names no layer: give comma-"
                      "separated globs over module paths, e.g. 'blocks.*.attn.[qv]'")
+  try:
+    MeshAxes.expert_roles(args.expert_axes)
+  except ValueError as err:
+    raise UsageError(f"--expert-axes: {err}") from None
   if args.expert_drop_policy != "probs" and args.expert_capacity_factor is None:
     raise UsageError("--expert-drop-policy needs --expert-capacity-factor (without one "
                      "nothing is dropped)")

@@ -80,6 +80,10 @@ class SetUp:
     if job.model.expert_capacity_factor is not None and not self.cfg.has_experts:
       raise UsageError(f"--expert-capacity-factor {job.model.expert_capacity_factor} is for a "
                        f"model with experts; this one has none")
+    if (job.execution.expert_axes != Execution.expert_axes
+        and not self.cfg.has_experts):  # never a layout that lays out nothing
+      raise UsageError(f"--expert-axes {','.join(job.execution.expert_axes)} is for a model "
+                       "with experts; this one has none")
     if job.loss.router_z_loss and not self.cfg.has_experts:  # never a weight that does nothing
       raise UsageError(f"--router-z-loss {job.loss.router_z_loss} is for a model with experts "
                        "(it weighs their router's z-loss); this one has none")
@@ -172,7 +176,8 @@ class SetUp:
                   + (f" | {', '.join(options)}" if options else ""))
     if self.cfg.has_experts:
       # A step's dispatch sees the global batch, each row's S + 1 tokens.
-      console.print(experts_line(self.cfg, data_size, mesh.shape[flax_tp.MODEL_AXIS],
+      console.print(experts_line(self.cfg, flax_tp.MeshAxes.of(mesh),
+                                 self.execution.expert_axes,
                                  tokens=job.schedule.batch_size * (job.model.seq_len + 1)))
     if self.lora is not None:
       console.print(lora_line(self.lora, self.trainer, self.params), markup=False)
@@ -196,6 +201,11 @@ class SetUp:
         flax_tp.MeshAxes.of(mesh).context == 1:
       notes.append(f"note: --context-parallel {self.execution.context_parallel} has nothing "
                    f"to do on mesh {job.mesh}, which has no context axis (DxCxM names one)")
+    idle = [r for r in self.execution.expert_axes if r != flax_tp.DATA_AXIS and axes.size(r) == 1]
+    if self.cfg.has_experts and idle:  # never a layout that silently is another
+      notes.append(f"note: --expert-axes names {' and '.join(idle)}, which mesh {job.mesh} "
+                   f"gives one device: the experts split over "
+                   f"{' x '.join(axes.expert_axes(self.execution.expert_axes)) or 'nothing'}")
     for note in notes:
       console.print(note, markup=False)
     if self.start:
@@ -214,17 +224,25 @@ def lora_line(lora, trainer, params) -> str:
           f"({100 * adapters / total:.2f}% of {total:,}); the base is frozen")
 
 
-def experts_line(cfg, data: int, model: int, tokens: int) -> str:
-  """The start-up line saying how a mixture of experts is laid out on the mesh, and what
-  its capacity is for a dispatch of ``tokens`` tokens."""
+def experts_line(cfg, axes: flax_tp.MeshAxes, expert_roles: tuple[str, ...],
+                 tokens: int) -> str:
+  """The start-up line saying how a mixture of experts is laid out on the mesh (its
+  experts over ``axes.expert_axes(expert_roles)``), and what its capacity is for a
+  dispatch of ``tokens`` tokens."""
   from flax_tp.moe import capacity_is_capped, expert_capacity
-  experts = flax_tp.ShardLayout(cfg.num_experts, data)
-  ffn = flax_tp.ShardLayout(cfg.expert_width, model)
+  over = axes.expert_axes(expert_roles)
+  experts = flax_tp.ShardLayout(cfg.num_experts, math.prod(axes.size(a) for a in over))
+  whole = flax_tp.MODEL_AXIS in expert_roles
+  ffn = flax_tp.ShardLayout(cfg.expert_width, 1 if whole else axes.model)
   layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
   per_shard = ", ".join(map(str, experts.sizes))
   padded = "" if experts.is_even else f" (padded to {experts.padded_size})"
-  dispatch = ("tokens all-gathered over data, outputs reduce-scattered back" if data > 1
-              else "every expert on every device: no dispatch")
+  exchanged = [a for a in over if a in axes.BATCH_ROLES]
+  dispatch = [f"tokens all-gathered over {' x '.join(exchanged)}, outputs reduce-scattered "
+              "back"] if exchanged else []
+  if flax_tp.MODEL_AXIS in over:
+    dispatch.append("each model device runs its own experts, outputs summed over model")
+  dispatch = "; ".join(dispatch) or "every expert on every device: no dispatch"
   shared = (f" | shared expert FFN {cfg.shared_expert_d_ff}" if cfg.shared_expert_d_ff
             else "")
   factor, k, e = cfg.expert_capacity_factor, cfg.experts_per_token, cfg.num_experts
@@ -237,7 +255,9 @@ def experts_line(cfg, data: int, model: int, tokens: int) -> str:
     capacity = (f"capacity factor {factor:g} ({expert_capacity(tokens, k, e, factor)} of a "
                 f"step's {tokens} tokens per expert), full experts keep the "
                 + ("largest weights" if cfg.expert_drop_policy == "probs" else "earliest tokens"))
+  ffn_words = (f"each expert whole on its device (FFN {cfg.expert_width})" if whole else
+               f"each expert's FFN {cfg.expert_width} over model: "
+               f"{', '.join(map(str, ffn.sizes))}")
   return (f"experts: {cfg.num_experts} in each of {layers} MoE layer(s), top-"
-          f"{cfg.experts_per_token}, {capacity} | over data: {per_shard} per shard{padded} | "
-          f"each expert's FFN {cfg.expert_width} over model: "
-          f"{', '.join(map(str, ffn.sizes))}{shared} | {dispatch}")
+          f"{cfg.experts_per_token}, {capacity} | over {' x '.join(over or ('data',))}: "
+          f"{per_shard} per shard{padded} | {ffn_words}{shared} | {dispatch}")
