@@ -26,6 +26,7 @@ from flax_tp.partition import (
 )
 from flax_tp.plan import explain_plan, parallelize
 from flax_tp.sampling import vocab_parallel_sample
+from flax_tp.split_norm import SplitRMSNorm
 from flax_tp.stack import layer_runs, stack_layer_runs, stack_layers
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "router_z_loss",
     "RowParallelDense",
     "SegmentedLayout",
+    "SplitRMSNorm",
     "shard_index",
     "ShardLayout",
     "split_tensor_for_parallelism",

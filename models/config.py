@@ -15,6 +15,7 @@ BYTE_VOCAB = 256
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # a layer's attention (HF's names)
 NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")
+QK_NORM_SPANS = ("head", "projection")
 MLPS = ("gelu", "swiglu", "geglu")
 # flax_tp.moe.DROP_POLICIES (not imported: this module does not import flax_tp)
 DROP_POLICIES = ("probs", "position")
@@ -97,6 +98,9 @@ class TransformerConfig:
   rope_local_base: float | None = None  # sliding layers' own plain-rotary base (Gemma 3)
   qk_norm: bool = False  # per-head norm of q and k over head_dim, before rotary (Qwen3,
   # Gemma 3), of the kind ``norm`` names
+  qk_norm_span: str = "head"  # what a qk_norm spans: "head" (each head over head_dim) or
+  # "projection" (all of q's heads, all of k's: OLMo 2/3; an RMSNorm split over "model",
+  # flax_tp.SplitRMSNorm)
   layer_types: tuple[str, ...] | None = None  # per layer FULL or SLIDING; None: all FULL
   sliding_window: int | None = None  # a SLIDING layer's query sees its last this many keys
   embed_scale: bool = False  # embeddings times sqrt(d_model), in the compute dtype (Gemma)
@@ -105,6 +109,8 @@ class TransformerConfig:
   final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2, 3)
   sandwich_norm: bool = False  # a norm after attention and after the MLP too, before
   # each residual add (Gemma 2, 3: four norms per block)
+  pre_norm: bool = True  # the norms before attention and before the MLP; False with
+  # sandwich_norm: only the norms after them (OLMo 2/3)
   family: str | None = None  # the HF family it reads from / writes as (models/families.py);
   # None: Llama, or Qwen2 where only q/k/v have biases
   # -- mixture of experts (flax_tp.MoE; Mixtral, Qwen2-MoE, Qwen3-MoE). None: dense.
@@ -162,6 +168,15 @@ class TransformerConfig:
                        f"{self.num_kv_heads}")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+    if self.qk_norm_span not in QK_NORM_SPANS:
+      raise ValueError(f"qk_norm_span must be one of {QK_NORM_SPANS}, got "
+                       f"{self.qk_norm_span!r}")
+    if self.qk_norm_span == "projection" and self.norm != "rmsnorm":
+      raise ValueError(f"qk_norm_span 'projection' is an RMSNorm (OLMo 2/3): norm must be "
+                       f"'rmsnorm', got {self.norm!r}")
+    if not self.pre_norm and not self.sandwich_norm:
+      raise ValueError("pre_norm=False needs sandwich_norm=True: a block without either "
+                       "has no norm at all")
     self._check_experts()
 
   def _check_experts(self) -> None:
@@ -299,7 +314,7 @@ ADDED_FIELDS = frozenset((
     "sliding_window", "embed_scale", "attn_scale", "attn_softcap", "final_softcap",
     "sandwich_norm", "family", "num_experts", "experts_per_token", "expert_d_ff",
     "shared_expert_d_ff", "normalize_top_k", "moe_layers", "router_aux_loss_coef",
-    "expert_capacity_factor", "expert_drop_policy"))
+    "expert_capacity_factor", "expert_drop_policy", "qk_norm_span", "pre_norm"))
 
 
 def check_architecture_fields(overrides: dict) -> None:

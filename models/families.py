@@ -4,8 +4,9 @@ A ``Family`` says how its ``config.json`` maps onto ``TransformerConfig`` (``rea
 the family's own fields over the ones every family shares, read by ``_shared``),
 how a config is written back (``write``), and which tensors it stores fused
 (``fused``). The tensor names themselves are shared (``tensor_names``): Llama's,
-with the extra norms a config asks for (``qk_norm``: ``self_attn.q_norm``/``k_norm``;
-``sandwich_norm``: Gemma 2's four norms per layer). Adding a family is a declaration
+with the extra norms a config asks for (``qk_norm``: ``self_attn.q_norm``/``k_norm``,
+over a head or, OLMo 2/3, the whole projection; ``sandwich_norm``: Gemma 2's four norms
+per layer, OLMo's two after the branches without ``pre_norm``). Adding a family is a declaration
 here, and a mechanism in ``models/transformer.py`` only when it brings a new one.
 
 A config field that changes the computation and is not honoured is an error
@@ -386,30 +387,79 @@ def _gemma3_read(hf, shared):
   pattern = hf.get("sliding_window_pattern") or 6
   types = _layer_types(hf, layers, lambda i: SLIDING if (i + 1) % pattern else FULL)
   fields.update(_windows(types, _optional(hf, "sliding_window", integer=True)))
+  return dict(fields, qk_norm=True, **_per_layer_type_rope(hf, 1_000_000.0, 10_000.0))
+
+
+def _per_layer_type_rope(hf: dict[str, Any], full_theta: float,
+                         sliding_theta: float) -> dict[str, Any]:
+  """The rope fields of a family whose full and sliding layers each have their own
+  (Gemma 3, OLMo 3: ``rope_parameters`` keyed by layer type; Gemma 3's legacy form,
+  ``rope_theta`` / ``rope_scaling`` for the full layers and ``rope_local_base_freq``).
+  The sliding layers' must be a plain base (``rope_local_base``)."""
   nested = isinstance(hf.get("rope_parameters"), dict) and any(
       isinstance(v, dict) for v in hf["rope_parameters"].values())
   if nested:
-    theta, scaling, fraction = _rope(hf, FULL, 1_000_000.0)
-    local, local_scaling, local_fraction = _rope(hf, SLIDING, 10_000.0)
+    theta, scaling, fraction = _rope(hf, FULL, full_theta)
+    local, local_scaling, local_fraction = _rope(hf, SLIDING, sliding_theta)
   else:  # legacy: rope_theta and rope_scaling for global layers, rope_local_base_freq
-    theta, scaling, fraction = _rope(hf, None, 1_000_000.0)
-    local, local_scaling, local_fraction = _number(hf, "rope_local_base_freq", 10_000.0,
+    theta, scaling, fraction = _rope(hf, None, full_theta)
+    local, local_scaling, local_fraction = _number(hf, "rope_local_base_freq", sliding_theta,
                                                    integer=False), None, fraction
   if local_scaling is not None or local_fraction != fraction:
     raise HFConfigError("rope_parameters of sliding_attention layers with scaling or their "
                         "own partial_rotary_factor are not implemented (only a plain base)")
-  return dict(fields, qk_norm=True, rope_base=theta, rope_scaling=scaling,
-              rotary_fraction=fraction, rope_local_base=local)
+  return dict(rope_base=theta, rope_scaling=scaling, rotary_fraction=fraction,
+              rope_local_base=local)
+
+
+def _per_layer_type_rope_out(cfg: TransformerConfig) -> dict[str, Any]:
+  local = cfg.rope_base if cfg.rope_local_base is None else cfg.rope_local_base
+  return {"rope_parameters": {
+      FULL: dict(_scaling_out(cfg.rope_scaling), rope_theta=cfg.rope_base),
+      SLIDING: dict(rope_type="default", rope_theta=local)}}
 
 
 def _gemma3_write(cfg):
   _require(cfg, "gemma3_text", qk_norm=True)
-  out = _gemma2_out(cfg, "gemma3_text")
-  local = cfg.rope_base if cfg.rope_local_base is None else cfg.rope_local_base
-  out["rope_parameters"] = {
-      FULL: dict(_scaling_out(cfg.rope_scaling), rope_theta=cfg.rope_base),
-      SLIDING: dict(rope_type="default", rope_theta=local)}
-  return out
+  return dict(_gemma2_out(cfg, "gemma3_text"), **_per_layer_type_rope_out(cfg))
+
+
+# OLMo 2 / OLMo 3: RMSNorms on q and k over the whole projection (all heads), and a norm
+# only after attention and after the MLP (post_attention_layernorm,
+# post_feedforward_layernorm), none before; attention_bias on q, k, v and o; OLMo 3 adds
+# sliding layers and rope parameters per layer type.
+_OLMO = dict(norm="rmsnorm", qk_norm=True, qk_norm_span="projection", sandwich_norm=True,
+             pre_norm=False, mlp_bias=False)
+
+
+def _olmo2_read(hf, shared):
+  bias = _flag(hf, "attention_bias", False)
+  return dict(_OLMO, qkv_bias=bias, attn_out_bias=bias,
+              norm_eps=_number(hf, "rms_norm_eps", 1e-5, integer=False),
+              mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}))
+
+
+def _olmo_write(cfg, family):
+  _require(cfg, family, mlp="swiglu", qkv_bias=cfg.attn_out_bias, rotary_fraction=1.0,
+           attn_scale=None, attn_softcap=None, final_softcap=None, embed_scale=False, **_OLMO)
+  return dict(attention_bias=cfg.attn_out_bias)
+
+
+def _olmo2_write(cfg):
+  _require(cfg, "olmo2", layer_types=None, rope_local_base=None)
+  return _olmo_write(cfg, "olmo2")
+
+
+def _olmo3_read(hf, shared):
+  layers = shared["num_layers"]
+  types = _layer_types(hf, layers, lambda i: SLIDING if (i + 1) % 4 else FULL)
+  return dict(_olmo2_read(hf, shared), **_per_layer_type_rope(hf, 500_000.0, 500_000.0),
+              **_windows(types, _number(hf, "sliding_window", 4096, integer=True)))
+
+
+def _olmo3_write(cfg):
+  return dict(_olmo_write(cfg, "olmo3"), **_layer_types_out(cfg),
+              **_per_layer_type_rope_out(cfg))
 
 
 def _experts(hf: dict[str, Any], shared: dict[str, Any], *, count: tuple[str, ...],
@@ -531,6 +581,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma2", "Gemma2ForCausalLM", _gemma2_read, _gemma2_write),
     Family("gemma3_text", "Gemma3ForCausalLM", _gemma3_read, _gemma3_write),
     Family("phi3", "Phi3ForCausalLM", _phi3_read, _phi3_write, fused=True),
+    Family("olmo2", "Olmo2ForCausalLM", _olmo2_read, _olmo2_write),
+    Family("olmo3", "Olmo3ForCausalLM", _olmo3_read, _olmo3_write),
     Family("mixtral", "MixtralForCausalLM", _mixtral_read, _mixtral_write,
            moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")),
     Family("qwen2_moe", "Qwen2MoeForCausalLM", _qwen2_moe_read, _qwen2_moe_write,
@@ -539,6 +591,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            moe_prefix="mlp"),
 )}
 SUPPORTED = tuple(FAMILIES)
+# The families whose rope fields are per layer type (read by _per_layer_type_rope).
+_PER_LAYER_TYPE_ROPE = ("gemma3_text", "olmo3")
 
 # Llama's norm and MLP: what a family has unless its declaration says otherwise.
 _LLAMA_DEFAULTS = dict(norm="rmsnorm", mlp="swiglu")
@@ -585,7 +639,7 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     raise HFConfigError(f"config.json holds a {type(hf).__name__}, not an object of fields")
   family = family_of(hf)
   fields = _shared(hf)
-  fields.update(_rope_fields(hf) if family.model_type != "gemma3_text" else {})
+  fields.update(_rope_fields(hf) if family.model_type not in _PER_LAYER_TYPE_ROPE else {})
   fields.update(family.read(hf, fields))
   try:
     return TransformerConfig(**fields, family=family.name)
@@ -614,6 +668,8 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
   if cfg.norm not in ("rmsnorm", "rmsnorm_offset") or cfg.mlp not in ("swiglu", "geglu"):
     raise HFConfigError(f"norm={cfg.norm!r}, mlp={cfg.mlp!r} has no HF equivalent (needs "
                         "norm='rmsnorm', mlp='swiglu' as Llama, or a family's own)")
+  if family.model_type not in ("olmo2", "olmo3"):  # (OLMo's writers require their own)
+    _require(cfg, family.model_type, qk_norm_span="head", pre_norm=True)
   extra = family.write(cfg)  # (each writer refuses what its family cannot represent)
   # (Llama's and Qwen2's fields in the order they were always written: same bytes)
   out = dict(
@@ -624,7 +680,7 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
   if cfg.mlp == "swiglu":
     out["hidden_act"] = "silu"
   out.update(max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps)
-  if family.model_type != "gemma3_text":
+  if family.model_type not in _PER_LAYER_TYPE_ROPE:
     out.update(_rope_out(cfg))
   out.update(tie_word_embeddings=cfg.tie_embeddings, torch_dtype="float32")
   if family.name is not None:
@@ -694,6 +750,8 @@ def tensor_names(cfg: TransformerConfig, experts_fused: bool = False) -> Iterato
             ("ln2", "pre_feedforward_layernorm"), ("ln_mlp_out", "post_feedforward_layernorm")]
            if cfg.sandwich_norm else
            [("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm")])
+  if not cfg.pre_norm:  # OLMo 2/3: only the norms after attention and the MLP
+    norms = [(ours, hf) for ours, hf in norms if ours not in ("ln1", "ln2")]
   for i in range(cfg.num_layers):
     layer = f"model.layers.{i}"
     at = lambda *p, i=i: ("blocks", i, *p)

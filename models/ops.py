@@ -158,3 +158,9 @@ def site_key(key: jax.Array | None, layer: int, site: int) -> jax.Array | None:
 
 # Dropout sites within a layer (the embedding's is layer 0, site EMBED).
 EMBED, ATTN_PROBS, ATTN_OUT, MLP_OUT = 0, 1, 2, 3
+
+
+def pre_norm(norm, x):
+  """A block's norm before attention or the MLP, or ``x`` itself where the block has
+  none (``TransformerConfig.pre_norm`` False: OLMo 2/3 norm only the branches' outputs)."""
+  return x if norm is None else norm(x)

@@ -25,17 +25,21 @@ class Attention(nnx.Module):
     self.k = nnx.Linear(cfg.d_model, kv_width, use_bias=cfg.qkv_bias, **dense)
     self.v = nnx.Linear(cfg.d_model, kv_width, use_bias=cfg.qkv_bias, **dense)
     self.o = nnx.Linear(width, cfg.d_model, use_bias=cfg.attn_out_bias, **dense)
-    if cfg.qk_norm:
-      self.q_norm = cfg.norm_layer(rngs, cfg.head_dim)
-      self.k_norm = cfg.norm_layer(rngs, cfg.head_dim)
+    if cfg.qk_norm:  # over each head, or (OLMo 2/3) over the whole projection
+      whole = cfg.qk_norm_span == "projection"
+      self.q_norm = cfg.norm_layer(rngs, width if whole else cfg.head_dim)
+      self.k_norm = cfg.norm_layer(rngs, kv_width if whole else cfg.head_dim)
     self.cfg = cfg
 
   def __call__(self, x_bsd, key, layer):
     cfg = self.cfg
     b, s, _ = x_bsd.shape
     split = lambda t: t.reshape(b, s, -1, cfg.head_dim)
-    q, k, v = split(self.q(x_bsd)), split(self.k(x_bsd)), split(self.v(x_bsd))
-    if cfg.qk_norm:
+    q, k, v = self.q(x_bsd), self.k(x_bsd), self.v(x_bsd)
+    if cfg.qk_norm and cfg.qk_norm_span == "projection":
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = split(q), split(k), split(v)
+    if cfg.qk_norm and cfg.qk_norm_span == "head":
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = (layer_kinds.rotate(cfg, t, None, layer) for t in (q, k))
     # k, v keep their kv heads: query head i reads kv head i // (query heads per kv head)
@@ -143,9 +147,9 @@ def load_balancing_loss(router_logits: list, top_k: int):
 
 class Block(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
-    self.ln1 = cfg.norm_layer(rngs)
+    self.ln1 = cfg.norm_layer(rngs) if cfg.pre_norm else None
     self.attn = Attention(cfg, rngs=rngs)
-    self.ln2 = cfg.norm_layer(rngs)
+    self.ln2 = cfg.norm_layer(rngs) if cfg.pre_norm else None
     self.mlp = LoopMoE(cfg, rngs=rngs) if cfg.is_moe_layer(layer) else MLP(cfg, rngs=rngs)
     if cfg.sandwich_norm:
       self.ln_attn_out = cfg.norm_layer(rngs)
@@ -155,11 +159,11 @@ class Block(nnx.Module):
   def __call__(self, x_bsd, key, layer):
     """-> (x [b, s, d], the router's logits, or None for a dense MLP)."""
     rate, rows = self.cfg.dropout, jnp.arange(x_bsd.shape[0])
-    attn = self.attn(self.ln1(x_bsd), key, layer)
+    attn = self.attn(ops.pre_norm(self.ln1, x_bsd), key, layer)
     if self.cfg.sandwich_norm:
       attn = self.ln_attn_out(attn)
     x_bsd = x_bsd + ops.dropout(attn, ops.site_key(key, layer, ops.ATTN_OUT), rate, rows)
-    mlp, router_logits = self.mlp(self.ln2(x_bsd)), None
+    mlp, router_logits = self.mlp(ops.pre_norm(self.ln2, x_bsd)), None
     if isinstance(self.mlp, LoopMoE):
       mlp, router_logits = mlp
     if self.cfg.sandwich_norm:

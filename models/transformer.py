@@ -62,7 +62,13 @@ class ParallelAttention(nnx.Module):
     self.o = flax_tp.RowParallelDense(width, cfg.d_model, input_is_parallel=True,
                                       shard_unit=cfg.head_dim, use_bias=cfg.attn_out_bias,
                                       **kw)
-    if cfg.qk_norm:  # over head_dim, replicated: each device norms its own heads
+    if cfg.qk_norm and cfg.qk_norm_span == "projection":
+      # Over the whole projection (OLMo 2/3), whose heads are split: each device norms
+      # its own heads by the row's mean square, one [b, s, 1] all-reduce per norm.
+      norm = dict(mesh=mesh, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
+      self.q_norm = flax_tp.SplitRMSNorm(width, layout=self.q.layout, **norm)
+      self.k_norm = flax_tp.SplitRMSNorm(kv_layout.size, layout=kv_layout, **norm)
+    elif cfg.qk_norm:  # over head_dim, replicated: each device norms its own heads
       self.q_norm = cfg.norm_layer(rngs, cfg.head_dim)
       self.k_norm = cfg.norm_layer(rngs, cfg.head_dim)
     self.cfg = cfg
@@ -75,8 +81,11 @@ class ParallelAttention(nnx.Module):
     # One matmul for q, k and v (their local kernels joined), one all-reduce of
     # the input gradient in backward.
     split = lambda t: t.reshape(b, s, -1, self.cfg.head_dim)
-    q, k, v = map(split, flax_tp.fused_column_parallel((self.q, self.k, self.v), x_bsd))
-    if self.cfg.qk_norm:
+    q, k, v = flax_tp.fused_column_parallel((self.q, self.k, self.v), x_bsd)
+    if self.cfg.qk_norm and self.cfg.qk_norm_span == "projection":
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = split(q), split(k), split(v)
+    if self.cfg.qk_norm and self.cfg.qk_norm_span == "head":
       q, k = self.q_norm(q), self.k_norm(k)
     rotate = functools.partial(layer_kinds.rotate, self.cfg, positions=positions, layer=layer)
     return rotate(q), rotate(k), v
@@ -194,9 +203,9 @@ def moe_layer(cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs,
 class ParallelBlock(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs, layer: int = 0,
                expert_axes: tuple[str, ...] = flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES):
-    self.ln1 = cfg.norm_layer(rngs)
+    self.ln1 = cfg.norm_layer(rngs) if cfg.pre_norm else None
     self.attn = ParallelAttention(cfg, mesh=mesh, rngs=rngs)
-    self.ln2 = cfg.norm_layer(rngs)
+    self.ln2 = cfg.norm_layer(rngs) if cfg.pre_norm else None
     self.mlp = (moe_layer(cfg, mesh=mesh, rngs=rngs, expert_axes=expert_axes)
                 if cfg.is_moe_layer(layer)
                 else ParallelMLP(cfg, mesh=mesh, rngs=rngs))
@@ -227,27 +236,30 @@ class ParallelBlock(nnx.Module):
     """Block ``layer`` on new tokens with a KV cache (no dropout: inference). A MoE
     routes each new token alone, as in training, and drops nothing (a capacity factor
     is for training's static shapes; transformers decodes dropless)."""
-    attn, cache = self.attn.extend(self.ln1(x_bsd), cache, positions, layer)
+    attn, cache = self.attn.extend(ops.pre_norm(self.ln1, x_bsd), cache, positions, layer)
     x_bsd = x_bsd + self._attn_out(attn)
-    return x_bsd + self._mlp_out(self._mlp(self.ln2(x_bsd), dropless=True)[0]), cache
+    mlp = self._mlp(ops.pre_norm(self.ln2, x_bsd), dropless=True)[0]
+    return x_bsd + self._mlp_out(mlp), cache
 
   def prefill(self, x_bsd, layer, layout):
     """Block ``layer`` on a prompt split as ``layout`` says (context parallel; no
     dropout, a MoE dropless as in decoding) -> (``x`` likewise, this device's ``(k, v)``
     ``[b, n, hkv_pad, k]`` of its slots)."""
     rows = jnp.arange(x_bsd.shape[0])
-    attn, kv = self.attn(self.ln1(x_bsd), None, layer, rows, layout, return_kv=True)
+    attn, kv = self.attn(ops.pre_norm(self.ln1, x_bsd), None, layer, rows, layout,
+                         return_kv=True)
     x_bsd = x_bsd + self._attn_out(attn)
-    return x_bsd + self._mlp_out(self._mlp(self.ln2(x_bsd), layout, dropless=True)[0]), kv
+    mlp = self._mlp(ops.pre_norm(self.ln2, x_bsd), layout, dropless=True)[0]
+    return x_bsd + self._mlp_out(mlp), kv
 
   def __call__(self, x_bsd, key, layer, rows, layout=None):
     """``[b, s, d]`` replicated, or split as ``layout`` says (an ``ActivationLayout``:
     this device's SP block ``[b, s_pad, d]`` and/or its context slots; norms, dropout
     and residuals then run on those only). A MoE block returns ``(x, RouterStats)``."""
     drop = functools.partial(_dropout, rate=self.cfg.dropout, rows=rows, layout=layout)
-    attn = self._attn_out(self.attn(self.ln1(x_bsd), key, layer, rows, layout))
+    attn = self._attn_out(self.attn(ops.pre_norm(self.ln1, x_bsd), key, layer, rows, layout))
     x_bsd = x_bsd + drop(attn, ops.site_key(key, layer, ops.ATTN_OUT))
-    mlp, stats = self._mlp(self.ln2(x_bsd), layout)
+    mlp, stats = self._mlp(ops.pre_norm(self.ln2, x_bsd), layout)
     x_bsd = x_bsd + drop(self._mlp_out(mlp), ops.site_key(key, layer, ops.MLP_OUT))
     return x_bsd if stats is None else (x_bsd, stats)
 

@@ -1,7 +1,7 @@
 """The HF families beyond Llama 2 / Qwen2 (models/families.py) against transformers itself.
 
 Fixtures written by transformers (tests/fixtures/hf/make_fixtures.py): Llama 3.1-style
-rope, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3 and Phi-3, every norm weight and bias
+rope, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3, Phi-3, OLMo 2 and OLMo 3, every norm weight and bias
 perturbed, sliding windows shorter than the sequence. For each family, on 1x1, 1x3,
 2x4 and 1x8 (one mesh per family in the fast lane, the others in the slow lane):
 logits, the loss and every gradient, and greedy generation through the KV cache past
@@ -29,7 +29,8 @@ from models.hf import load_hf, read_config, save_hf
 from train.step import Trainer, make_optimizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
-DENSE = ["llama3", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"]
+DENSE = ["llama3", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
+         "olmo3"]
 # Mixtures of experts: experts over "data" as well, so 4x2 too.
 EXPERTS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 FAMILIES = DENSE + EXPERTS
@@ -37,7 +38,9 @@ MESHES = ["1x1", "1x3", "2x4", "1x8"]
 MOE_MESHES = [*MESHES, "4x2"]
 # The fast lane runs each family on one mesh (each mesh at least once); the slow the rest.
 FAST = {name: MESHES[i % len(MESHES)] for i, name in enumerate(DENSE)}
-FAST.update(mixtral="2x4", qwen2_moe="4x2", qwen3_moe="1x3")
+FAST.update(mixtral="2x4", qwen2_moe="4x2", qwen3_moe="1x3",
+            # OLMo's q/k norms over heads split unevenly (6 over 4) and kv heads replicated
+            olmo2="2x4", olmo3="1x3")
 CASES = [pytest.param(name, mesh, marks=() if FAST[name] == mesh else pytest.mark.slow,
                       id=f"{name}-{mesh}")
          for name in FAMILIES for mesh in (MOE_MESHES if name in EXPERTS else MESHES)]
@@ -124,6 +127,10 @@ RING = "ring"
     pytest.param("qwen2_sliding", "1x3x2", Execution(context_parallel=RING),
                  marks=pytest.mark.slow),
     pytest.param("mistral", "1x8x1", Execution(context_parallel=RING), marks=pytest.mark.slow),
+    pytest.param("olmo3", "1x3x2", Execution(context_parallel=RING, sequence_parallel=True),
+                 marks=pytest.mark.slow),
+    pytest.param("olmo2", "2x2x2", Execution(fsdp=True, scan_layers=True),
+                 marks=pytest.mark.slow),
     pytest.param("mixtral", "2x2x2", Execution(sequence_parallel=True), marks=pytest.mark.slow),
     pytest.param("qwen2_moe", "2x3x1", Execution(context_parallel=RING),
                  marks=pytest.mark.slow),
@@ -187,6 +194,8 @@ def test_saved_folder_loads_in_transformers_to_the_same_logits(tmp_path, meshes,
     ("gemma2", dict(attn_scale=None)),
     ("gemma3_text", dict(rope_local_base=None)),
     ("phi3", dict(rotary_fraction=1.0)),
+    ("olmo3", dict(rope_local_base=None)),
+    ("olmo3", dict(sliding_window=8)),
     ("qwen2_moe", dict(normalize_top_k=True)),
     ("qwen3_moe", dict(experts_per_token=2)),
 ])
@@ -335,7 +344,7 @@ def test_old_identity_is_unchanged_and_new_fields_round_trip():
 # -- from the CLI, as a new user runs it -----------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma3_text", "phi3"])
+@pytest.mark.parametrize("name", ["gemma3_text", "phi3", "olmo3"])
 def test_a_family_fine_tunes_resumes_on_another_mesh_and_generates(tmp_path, name, capsys):
   """``train/run.py --init-from`` a family's folder (its own tokenizer.json) on 2x4 with
   every execution option, resumed on 1x8 from a copied checkpoint, then
