@@ -127,7 +127,7 @@ def test_fsdp_checkpoints_move_to_runs_without_it_and_back(tmp_path):
     assert "fsdp" not in cfg.identity()
 
 
-@pytest.mark.parametrize("spec", ["2x4", "4x2"])
+@pytest.mark.parametrize("spec", [pytest.param("2x4", marks=pytest.mark.slow), "4x2"])
 def test_an_fsdp_model_runs_outside_the_step(spec):
   """An FSDP model called as any model (eagerly, under nnx.jit, generate; on 2x4 also its
   gradients and one loaded with load_hf(fsdp=True)) gives the plain model's values: its

@@ -104,6 +104,8 @@ def test_family_equals_transformers(meshes, name, mesh_spec):
     pytest.param("mixtral", "4x2", Execution(expert_axes=("data", "model"),
                                              sequence_parallel=True, scan_layers=True),
                  marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", "1x8", Execution(expert_axes=("data", "model"), fsdp=True),
+                 marks=pytest.mark.slow),
 ])
 def test_family_under_every_execution_option(meshes, name, mesh_spec, execution):
   model = load_hf(FIXTURES / name, meshes[mesh_spec], execution=execution)

@@ -230,7 +230,7 @@ def merged_reference_run(cfg, model, tokens):
 
 
 @pytest.mark.parametrize("mesh_spec,options", [
-    ("2x4", {}),
+    pytest.param("2x4", {}, marks=pytest.mark.slow),
     ("4x2", {"scan_layers": True, "fsdp": True, "remat": "block", "sequence_parallel": True}),
     pytest.param("1x3", {}, marks=pytest.mark.slow),
     pytest.param("1x8", {"scan_layers": True}, marks=pytest.mark.slow)])
