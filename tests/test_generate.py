@@ -82,6 +82,10 @@ def test_sampling_is_the_same_on_every_mesh():
     pytest.param("llama-tiny", "2x2x2", dict(context_parallel="ring", scan_layers=True),
                  marks=pytest.mark.slow),
     pytest.param("moe-tiny", "1x4x2", dict(sequence_parallel=True), marks=pytest.mark.slow),
+    # the experts over data x context: the prompt's tokens dispatched over both; a decode
+    # step's tokens, the same on each context device, run through each one's experts
+    pytest.param("moe-tiny", "2x2x2", dict(expert_axes=("data", "context")),
+                 marks=pytest.mark.slow),
 ])
 def test_a_prompt_split_over_context_generates_as_one_device(preset, mesh_spec, options):
   """The prefill split over "context" (each device its chunks, the cache gathered
