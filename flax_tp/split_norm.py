@@ -68,10 +68,9 @@ class SplitRMSNorm(ParallelModule):
     """``[features_pad]`` float32: how much each local feature counts in the mean (1,
     0 for padding, ``1 / copies`` for a replicated kv head's); None when every local
     feature is real and held once (the padding, zero, adds nothing anyway)."""
-    weights = self.layout.replica_weights() if self.layout.replicated else None
-    if weights is None:
+    if not self.layout.replicated:
       return None
-    local = np.asarray(weights, np.float32).reshape(self.layout.parts, -1)
+    local = np.asarray(self.layout.replica_weights(), np.float32).reshape(self.layout.parts, -1)
     return jnp.asarray(local)[shard_index(self.axis_name)]
 
   def _local(self, scale: Array, x: Array) -> Array:
