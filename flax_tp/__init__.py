@@ -15,7 +15,15 @@ from flax_tp.logical import load_unsharded, unshard
 from flax_tp.lora import LoRAConfig, add_adapters, add_lora
 from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
 from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, MeshAxes, make_mesh, parse_mesh_spec
-from flax_tp.moe import MoE, RouterStats, load_balancing_loss, router_z_loss
+from flax_tp.moe import (
+  TRAINED,
+  MoE,
+  Router,
+  RouterStats,
+  SelectionBias,
+  load_balancing_loss,
+  router_z_loss,
+)
 from flax_tp.norm import logical_norm
 from flax_tp.params import place_on_mesh, replicate_on_mesh
 from flax_tp.partition import (
@@ -58,13 +66,16 @@ __all__ = [
     "place_on_mesh",
     "reduce_scatter",
     "replicate_on_mesh",
+    "Router",
     "RouterStats",
     "router_z_loss",
     "RowParallelDense",
     "SegmentedLayout",
+    "SelectionBias",
     "SplitRMSNorm",
     "shard_index",
     "ShardLayout",
+    "TRAINED",
     "split_tensor_for_parallelism",
     "stack_layers",
     "stack_layer_runs",

@@ -66,6 +66,7 @@ are built from, so they can be summed over layers and data shards before the los
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -129,14 +130,107 @@ class RouterStats(NamedTuple):
     return RouterStats(*(all_reduce(x, "sum", axis_name) for x in self))
 
 
+SCORES = ("softmax", "sigmoid")
+
+
+class SelectionBias(nnx.Param):
+  """A router's selection bias ``[E]`` (DeepSeek-V3's ``e_score_correction_bias``):
+  float32, replicated, added to the scores only to pick the experts, never to the weights.
+  A param (it is checkpointed, exported and moved with the rest) that the optimizer leaves
+  out: ``nnx.Optimizer(model, tx, wrt=flax_tp.TRAINED)``; it gets no gradient."""
+
+
+# The params an optimizer trains: every param but a router's selection bias.
+TRAINED = nnx.All(nnx.Param, nnx.Not(SelectionBias))
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+  """How a router turns its logits into each token's experts and weights: a declaration,
+  the one place the MoE families differ in routing.
+
+  ``score``: ``"softmax"`` over the experts (Mixtral, Qwen) or an independent
+  ``"sigmoid"`` per expert (DeepSeek-V3, GLM-4.5). ``groups`` / ``top_groups``
+  (HF's ``n_group`` / ``topk_group``): the experts in ``groups`` equal groups, each
+  group ranked by the sum of its two best scores (selection bias included), and a token's
+  experts picked only from its ``top_groups`` best groups. The top-k are picked by score
+  plus the selection bias (if any), and weighted by the score alone; ``normalize``
+  renormalises them to sum to one (HF's ``norm_topk_prob``; a sigmoid's with
+  transformers' ``1e-20`` in the denominator), and all are then multiplied by ``scale``
+  (``routed_scaling_factor``).
+  """
+
+  top_k: int
+  score: str = "softmax"
+  normalize: bool = True
+  groups: int = 1
+  top_groups: int = 1
+  scale: float = 1.0
+
+  def __post_init__(self):
+    if self.score not in SCORES:
+      raise ValueError(f"router score must be one of {SCORES}, got {self.score!r}")
+    for name in ("top_k", "groups", "top_groups"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"router {name} must be a positive integer, got {value!r}")
+    if self.top_groups > self.groups:
+      raise ValueError(f"router top_groups {self.top_groups} is more than its groups "
+                       f"{self.groups}")
+    if not (isinstance(self.scale, (int, float)) and 0 < self.scale < math.inf):
+      raise ValueError(f"router scale must be a finite number > 0, got {self.scale!r}")
+
+  def check(self, num_experts: int) -> None:
+    """``ValueError`` naming what cannot route ``num_experts`` experts."""
+    if num_experts % self.groups:
+      raise ValueError(f"router groups {self.groups} do not divide num_experts {num_experts}")
+    per_group = num_experts // self.groups
+    if self.groups > 1 and per_group < 2:
+      raise ValueError(f"router groups are ranked by their two best experts: "
+                       f"{num_experts} experts in {self.groups} groups leave {per_group}")
+    if self.top_k > self.top_groups * per_group:
+      raise ValueError(f"top_k {self.top_k} is more than the {self.top_groups} x {per_group} "
+                       f"experts of the groups a token may pick")
+
+  def __call__(self, logits: Array, bias: Array | None = None
+               ) -> tuple[Array, Array, Array]:
+    """``logits [t, E]`` (float32) and ``bias [E]`` (or None) -> ``(weights [t, k],
+    experts [t, k] int32, probs [t, E])``: ``probs`` is the softmax, or a sigmoid's scores
+    normalised per token (DeepSeek-V3's balance loss's), which the load-balancing loss
+    reads."""
+    logits = logits.astype(jnp.float32)
+    if self.score == "softmax":
+      scores = probs = jax.nn.softmax(logits, axis=-1)
+    else:
+      scores = jax.nn.sigmoid(logits)
+      probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    # Picking is not differentiable: the bias moves which experts, never a weight.
+    choice = scores if bias is None else scores + jax.lax.stop_gradient(
+        bias.astype(jnp.float32))
+    if self.groups > 1:
+      t, e = choice.shape
+      grouped = choice.reshape(t, self.groups, e // self.groups)
+      group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [t, groups]
+      _, best = jax.lax.top_k(group_scores, self.top_groups)
+      allowed = jnp.any(jax.nn.one_hot(best, self.groups, dtype=bool), axis=-2)
+      allowed = jnp.repeat(allowed, e // self.groups, axis=-1)
+      choice = jnp.where(allowed, choice, -jnp.inf)
+    values, experts = jax.lax.top_k(choice, self.top_k)
+    weights = (values if choice is scores
+               else jnp.take_along_axis(scores, experts, axis=-1))
+    if self.normalize:
+      total = jnp.sum(weights, axis=-1, keepdims=True)
+      weights = weights / (total if self.score == "softmax" else total + 1e-20)
+    if self.scale != 1.0:
+      weights = weights * self.scale
+    return weights, experts.astype(jnp.int32), probs
+
+
 def route(logits: Array, top_k: int, normalize: bool) -> tuple[Array, Array, Array]:
   """``logits [t, E]`` (float32) -> ``(weights [t, k], experts [t, k], probs [t, E])``:
-  the softmax, its top-k, renormalised to sum to one when ``normalize``."""
-  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  weights, experts = jax.lax.top_k(probs, top_k)
-  if normalize:
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return weights, experts.astype(jnp.int32), probs
+  the softmax, its top-k, renormalised to sum to one when ``normalize``
+  (``Router(top_k, normalize=normalize)``)."""
+  return Router(top_k, normalize=normalize)(logits)
 
 
 def router_stats(logits: Array, probs: Array, experts: Array,
@@ -320,7 +414,9 @@ class MoE(ParallelModule):
   def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *,
                mesh: jax.sharding.Mesh, normalize_top_k: bool = True,
                shared_d_ff: int | None = None, capacity_factor: float | None = None,
-               drop_policy: str = "probs", axis_name: str = MODEL_AXIS,
+               drop_policy: str = "probs", router: Router | None = None,
+               selection_bias: bool = False, shared_gated: bool = True,
+               axis_name: str = MODEL_AXIS,
                expert_axes: str | tuple[str, ...] = MeshAxes.DEFAULT_EXPERT_ROLES,
                dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None,
                expert_init: Any = default_expert_init,
@@ -345,8 +441,15 @@ class MoE(ParallelModule):
     if drop_policy not in DROP_POLICIES:
       raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+    if router is None:
+      router = Router(top_k, normalize=normalize_top_k)
+    if not isinstance(router, Router) or router.top_k != top_k:
+      raise ValueError(f"router must be a flax_tp.moe.Router with top_k {top_k}, got "
+                       f"{router!r}")
+    router.check(num_experts)
+    self.router_spec = router
     self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
-    self.normalize_top_k = normalize_top_k
+    self.normalize_top_k = router.normalize
     self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
     # The mesh axes the experts split over (the record's rule: "data", and "context" or
     # "model" if asked, those with more than one device); with "model" among them each
@@ -362,10 +465,17 @@ class MoE(ParallelModule):
     self.router = sharded_param(router_init, rngs.params(), (d_model, num_experts),
                                 param_dtype, mesh=mesh, axis_name=axis_name, dim=None,
                                 name="router")
+    # Float32 whatever param_dtype is (transformers keeps it so): a selection bias is
+    # compared with scores ~1e-3 apart. Zeros (HF's init) draw no key: the other params
+    # are drawn as without it.
+    self.selection_bias = sharded_param(
+        nnx.initializers.zeros_init(), jax.random.key(0), (num_experts,), jnp.float32,
+        mesh=mesh, axis_name=axis_name, dim=None, name="selection_bias",
+        variable_type=SelectionBias) if selection_bias else None
     self.gate = self._expert_param(expert_init, rngs, (num_experts, d_model, d_ff), 2)
     self.up = self._expert_param(expert_init, rngs, (num_experts, d_model, d_ff), 2)
     self.down = self._expert_param(expert_init, rngs, (num_experts, d_ff, d_model), 1)
-    self.shared_d_ff = shared_d_ff
+    self.shared_d_ff, self.shared_gated = shared_d_ff, shared_gated
     if shared_d_ff:
       dense = dict(mesh=mesh, axis_name=axis_name, use_bias=False, dtype=dtype,
                    param_dtype=param_dtype, precision=precision, kernel_init=kernel_init,
@@ -376,9 +486,9 @@ class MoE(ParallelModule):
                                            **dense)
       self.shared_down = RowParallelDense(shared_d_ff, d_model, input_is_parallel=True,
                                           **dense)
-      self.shared_expert_gate = sharded_param(kernel_init, rngs.params(), (d_model, 1),
-                                              param_dtype, mesh=mesh, axis_name=axis_name,
-                                              dim=None, name="shared_expert_gate")
+      self.shared_expert_gate = sharded_param(
+          kernel_init, rngs.params(), (d_model, 1), param_dtype, mesh=mesh,
+          axis_name=axis_name, dim=None, name="shared_expert_gate") if shared_gated else None
 
   def _expert_param(self, init: Any, rngs: nnx.Rngs, shape: tuple[int, int, int],
                     ffn_dim: int) -> nnx.Param:
@@ -414,7 +524,8 @@ class MoE(ParallelModule):
     """``x [t, d]`` -> float32 ``(weights [t, k], experts [t, k], RouterStats)``."""
     logits = jnp.dot(x.astype(jnp.float32), self.router[...].astype(jnp.float32),
                      precision=self.precision)
-    weights, experts, probs = route(logits, self.top_k, self.normalize_top_k)
+    bias = None if self.selection_bias is None else self.selection_bias[...]
+    weights, experts, probs = self.router_spec(logits, bias)
     return weights, experts, router_stats(logits, probs, experts, valid)
 
   def _local(self, x: Array, seq: SequenceSplit | None = None, dropless: bool = False,
@@ -579,6 +690,8 @@ class MoE(ParallelModule):
       down = self.shared_down
       shared = down._local(*down._params(), seq.for_scatter(hidden), parallel_input=True,
                            scatter=True)
+    if self.shared_expert_gate is None:  # DeepSeek-V3, GLM-4.5: shared experts ungated
+      return shared
     gate_logit = jnp.dot(block, self.shared_expert_gate[...].astype(compute_dtype),
                          precision=self.precision)
     return jax.nn.sigmoid(gate_logit) * shared

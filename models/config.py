@@ -20,6 +20,7 @@ MLPS = ("gelu", "swiglu", "geglu")
 # flax_tp.moe.DROP_POLICIES (not imported: this module does not import flax_tp)
 DROP_POLICIES = ("probs", "position")
 ROPE_KINDS = ("linear", "llama3", "yarn")
+ROUTER_SCORES = ("softmax", "sigmoid")  # flax_tp.moe.SCORES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +127,15 @@ class TransformerConfig:
   # ceil(factor * tokens * top_k / num_experts) of a step's choices (flax_tp.MoE)
   expert_drop_policy: str = "probs"  # which choices a full expert keeps: "probs" (the
   # largest routing weights) or "position" (the earliest tokens)
+  # -- the router as a declaration (flax_tp.moe.Router; DeepSeek-V3, GLM-4.5)
+  router_score: str = "softmax"  # or "sigmoid": each expert's score on its own
+  router_selection_bias: bool = False  # a float32 bias added to the scores to pick experts
+  # only (HF's e_score_correction_bias; flax_tp.SelectionBias, not trained by the optimizer)
+  expert_groups: int = 1  # HF's n_group: experts in equal groups, ranked by their best two
+  expert_groups_per_token: int = 1  # HF's topk_group: the groups a token picks from
+  routed_scale: float = 1.0  # HF's routed_scaling_factor: the routed output's weights x this
+  shared_expert_gated: bool = True  # the shared expert's sigmoid gate (Qwen2-MoE); False:
+  # added as is (DeepSeek-V3, GLM-4.5's n_shared_experts x moe_intermediate_size)
   # How a step runs (sequence parallelism, remat, scanned layers, FSDP) is not here:
   # see models.execution.Execution.
 
@@ -210,6 +220,22 @@ class TransformerConfig:
     if self.expert_drop_policy not in DROP_POLICIES:
       raise ValueError(f"expert_drop_policy must be one of {DROP_POLICIES}, got "
                        f"{self.expert_drop_policy!r}")
+    if self.router_score not in ROUTER_SCORES:
+      raise ValueError(f"router_score must be one of {ROUTER_SCORES}, got "
+                       f"{self.router_score!r}")
+    groups, picked = self.expert_groups, self.expert_groups_per_token
+    if not 1 <= picked <= groups or self.num_experts % groups:
+      raise ValueError(f"expert_groups {groups} must divide num_experts {self.num_experts}, "
+                       f"and expert_groups_per_token {picked} be in [1, {groups}]")
+    per_group = self.num_experts // groups
+    if groups > 1 and per_group < 2:
+      raise ValueError(f"expert groups are ranked by their two best experts: expert_groups "
+                       f"{groups} leaves {per_group} of num_experts {self.num_experts} in each")
+    if self.experts_per_token > picked * per_group:
+      raise ValueError(f"experts_per_token {self.experts_per_token} is more than the "
+                       f"{picked} x {per_group} experts of the groups a token picks from")
+    if not (isinstance(self.routed_scale, (int, float)) and 0 < self.routed_scale < math.inf):
+      raise ValueError(f"routed_scale must be a finite number > 0, got {self.routed_scale!r}")
 
   def identity(self) -> dict:
     """The fields that define the model (what a checkpoint must match), as JSON holds
@@ -314,7 +340,9 @@ ADDED_FIELDS = frozenset((
     "sliding_window", "embed_scale", "attn_scale", "attn_softcap", "final_softcap",
     "sandwich_norm", "family", "num_experts", "experts_per_token", "expert_d_ff",
     "shared_expert_d_ff", "normalize_top_k", "moe_layers", "router_aux_loss_coef",
-    "expert_capacity_factor", "expert_drop_policy", "qk_norm_span", "pre_norm"))
+    "expert_capacity_factor", "expert_drop_policy", "qk_norm_span", "pre_norm",
+    "router_score", "router_selection_bias", "expert_groups", "expert_groups_per_token",
+    "routed_scale", "shared_expert_gated"))
 
 
 def check_architecture_fields(overrides: dict) -> None:

@@ -77,6 +77,9 @@ class LoopMoE(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     d, e, f = cfg.d_model, cfg.num_experts, cfg.expert_width
     self.router = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, e)))
+    if cfg.router_selection_bias:  # (zeros draw no key, as in flax_tp.moe)
+      from flax_tp.moe import SelectionBias  # the optimizer's filter leaves it out
+      self.selection_bias = SelectionBias(jnp.zeros((e,), jnp.float32))
     self.gate = nnx.Param(EXPERT_INIT(rngs.params(), (e, d, f)))
     self.up = nnx.Param(EXPERT_INIT(rngs.params(), (e, d, f)))
     self.down = nnx.Param(EXPERT_INIT(rngs.params(), (e, f, d)))
@@ -85,20 +88,46 @@ class LoopMoE(nnx.Module):
       self.shared_gate = nnx.Linear(d, cfg.shared_expert_d_ff, **dense)
       self.shared_up = nnx.Linear(d, cfg.shared_expert_d_ff, **dense)
       self.shared_down = nnx.Linear(cfg.shared_expert_d_ff, d, **dense)
-      self.shared_expert_gate = nnx.Param(
-          nnx.initializers.lecun_normal()(rngs.params(), (d, 1)))
+      if cfg.shared_expert_gated:
+        self.shared_expert_gate = nnx.Param(
+            nnx.initializers.lecun_normal()(rngs.params(), (d, 1)))
     self.cfg = cfg
 
+  def route(self, logits):
+    """float32 ``logits [t, E]`` -> ``(weights [t, k], experts [t, k])``, as transformers'
+    routers compute them: Mixtral's and Qwen's softmax top-k, or DeepSeek-V3's and
+    GLM-4.5's sigmoid scores, picked with the selection bias from the best groups."""
+    cfg = self.cfg
+    if cfg.router_score == "softmax":
+      scores = jax.nn.softmax(logits, axis=-1)
+    else:
+      scores = jax.nn.sigmoid(logits)
+    choice = scores
+    if cfg.router_selection_bias:
+      choice = scores + self.selection_bias[...]
+    if cfg.expert_groups > 1:  # Glm4MoeTopkRouter: groups by their two best, top groups
+      t, per = logits.shape[0], cfg.num_experts // cfg.expert_groups
+      group_scores = jnp.sum(jax.lax.top_k(choice.reshape(t, cfg.expert_groups, per), 2)[0],
+                             axis=-1)
+      _, groups = jax.lax.top_k(group_scores, cfg.expert_groups_per_token)
+      mask = jnp.zeros_like(group_scores).at[jnp.arange(t)[:, None], groups].set(1.0)
+      mask = jnp.broadcast_to(mask[:, :, None], (t, cfg.expert_groups, per)).reshape(t, -1)
+      choice = jnp.where(mask > 0, choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, cfg.experts_per_token)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.normalize_top_k:
+      eps = 0.0 if cfg.router_score == "softmax" else 1e-20
+      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + eps)
+    return weights * cfg.routed_scale, experts
+
   def __call__(self, x_bsd):
-    """-> (y [b, s, d], the router's logits [b * s, E] in float32)."""
+    """-> (y [b, s, d], (the router's logits [b * s, E] in float32, the experts [b * s,
+    k] each token picked))."""
     cfg = self.cfg
     dtype = cfg.compute_dtype
     x = x_bsd.reshape(-1, cfg.d_model)
     logits = x.astype(jnp.float32) @ self.router[...]
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)
-    if cfg.normalize_top_k:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights, experts = self.route(logits)
     weights = weights.astype(dtype)
     if cfg.expert_capacity_factor is not None:  # dropped choices weigh nothing
       capacity = max(1, math.ceil(cfg.expert_capacity_factor * x.shape[0]
@@ -113,8 +142,10 @@ class LoopMoE(nnx.Module):
       y = y + jnp.sum(jnp.where(experts == e, weights, 0), axis=-1)[:, None] * out
     if cfg.shared_expert_d_ff:
       shared = self.shared_down(jax.nn.silu(self.shared_gate(xc)) * self.shared_up(xc))
-      y = y + jax.nn.sigmoid(xc @ self.shared_expert_gate[...].astype(dtype)) * shared
-    return y.reshape(x_bsd.shape), logits
+      if cfg.shared_expert_gated:
+        shared = jax.nn.sigmoid(xc @ self.shared_expert_gate[...].astype(dtype)) * shared
+      y = y + shared
+    return y.reshape(x_bsd.shape), (logits, experts)
 
 
 def capacity_kept(experts, weights, capacity: int, policy: str):
@@ -133,12 +164,20 @@ def capacity_kept(experts, weights, capacity: int, policy: str):
   return (ahead < capacity).reshape(experts.shape)
 
 
-def load_balancing_loss(router_logits: list, top_k: int):
+def load_balancing_loss(router_logits: list, top_k: int, score: str = "softmax",
+                        picked: list | None = None):
   """transformers' ``load_balancing_loss_func`` (no attention mask) of the MoE layers'
-  router logits, concatenated as it concatenates them."""
+  router logits, concatenated as it concatenates them. A sigmoid router (``score``):
+  the same formula over the experts each token ``picked`` and its scores normalised per
+  token (DeepSeek-V3's balance loss's probabilities)."""
   logits = jnp.concatenate(router_logits, axis=0)
-  probs = jax.nn.softmax(logits, axis=-1)
-  _, selected = jax.lax.top_k(probs, top_k)
+  if score == "softmax":
+    probs = jax.nn.softmax(logits, axis=-1)
+    _, selected = jax.lax.top_k(probs, top_k)
+  else:
+    scores = jax.nn.sigmoid(logits)
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    selected = jnp.concatenate(picked, axis=0)
   mask = jax.nn.one_hot(selected, logits.shape[-1])  # [t, k, E]
   tokens_per_expert = jnp.mean(mask, axis=0)
   prob_per_expert = jnp.mean(probs, axis=0)
@@ -163,13 +202,13 @@ class Block(nnx.Module):
     if self.cfg.sandwich_norm:
       attn = self.ln_attn_out(attn)
     x_bsd = x_bsd + ops.dropout(attn, ops.site_key(key, layer, ops.ATTN_OUT), rate, rows)
-    mlp, router_logits = self.mlp(ops.pre_norm(self.ln2, x_bsd)), None
+    mlp, router = self.mlp(ops.pre_norm(self.ln2, x_bsd)), None
     if isinstance(self.mlp, LoopMoE):
-      mlp, router_logits = mlp
+      mlp, router = mlp
     if self.cfg.sandwich_norm:
       mlp = self.ln_mlp_out(mlp)
     x_bsd = x_bsd + ops.dropout(mlp, ops.site_key(key, layer, ops.MLP_OUT), rate, rows)
-    return x_bsd, router_logits
+    return x_bsd, router
 
 
 class ReferenceTransformer(nnx.Module):
@@ -184,21 +223,26 @@ class ReferenceTransformer(nnx.Module):
                              dtype=cfg.compute_dtype, rngs=rngs)
     self.cfg = cfg
 
-  def __call__(self, tokens_bs, *, dropout_key=None, return_router_logits=False):
+  def __call__(self, tokens_bs, *, dropout_key=None, return_router_logits=False,
+               return_picked=False):
     """``return_router_logits``: also the MoE layers' router logits (a list of
-    ``[b * s, E]``, as transformers' ``output_router_logits``)."""
+    ``[b * s, E]``, as transformers' ``output_router_logits``); ``return_picked`` too:
+    and the experts each token picked (a list of ``[b * s, k]``)."""
     cfg = self.cfg
     x = ops.scale_embeddings(cfg, self.embed(tokens_bs))
     x = ops.dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout,
                     jnp.arange(tokens_bs.shape[0]))
-    router_logits = []
+    router_logits, picked = [], []
     for layer, block in enumerate(self.blocks):
-      x, layer_logits = block(x, dropout_key, layer)
-      if layer_logits is not None:
-        router_logits.append(layer_logits)
+      x, router = block(x, dropout_key, layer)
+      if router is not None:
+        router_logits.append(router[0])
+        picked.append(router[1])
     x = self.ln_f(x)
     logits = ops.softcap_of(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
                             cfg.final_softcap)
+    if return_picked:
+      return logits, router_logits, picked
     return (logits, router_logits) if return_router_logits else logits
 
 
@@ -212,8 +256,8 @@ def reference_loss(model: ReferenceTransformer, tokens_bs1, *, dropout_key=None,
   # A mixture of experts sees all S + 1 tokens, as transformers runs its input_ids: the
   # last one predicts nothing, but its routing counts in the load-balancing loss.
   experts = model.cfg.has_experts
-  logits, router_logits = model(tokens_bs1 if experts else tokens_bs1[:, :-1],
-                                dropout_key=dropout_key, return_router_logits=True)
+  logits, router_logits, picked = model(tokens_bs1 if experts else tokens_bs1[:, :-1],
+                                        dropout_key=dropout_key, return_picked=True)
   logits = (logits[:, :-1] if experts else logits).astype(jnp.float32)
   targets = optax.smooth_labels(jax.nn.one_hot(tokens_bs1[:, 1:], logits.shape[-1]),
                                 label_smoothing)
@@ -223,5 +267,5 @@ def reference_loss(model: ReferenceTransformer, tokens_bs1, *, dropout_key=None,
   loss = jnp.mean(loss)
   if router_logits and model.cfg.router_aux_loss_coef:  # as transformers' MoE models add it
     loss = loss + model.cfg.router_aux_loss_coef * load_balancing_loss(
-        router_logits, model.cfg.experts_per_token)
+        router_logits, model.cfg.experts_per_token, model.cfg.router_score, picked)
   return loss

@@ -193,9 +193,13 @@ def moe_layer(cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs,
               ) -> flax_tp.MoE:
   """A block's mixture of experts: experts over ``expert_axes`` (``Execution``'s; "data"
   by default), each expert's FFN over "model" unless the experts split over it."""
+  router = flax_tp.Router(cfg.experts_per_token, score=cfg.router_score,
+                          normalize=cfg.normalize_top_k, groups=cfg.expert_groups,
+                          top_groups=cfg.expert_groups_per_token, scale=cfg.routed_scale)
   return flax_tp.MoE(cfg.d_model, cfg.expert_width, cfg.num_experts, cfg.experts_per_token,
-                     mesh=mesh, normalize_top_k=cfg.normalize_top_k, expert_axes=expert_axes,
-                     shared_d_ff=cfg.shared_expert_d_ff,
+                     mesh=mesh, router=router, selection_bias=cfg.router_selection_bias,
+                     expert_axes=expert_axes, shared_d_ff=cfg.shared_expert_d_ff,
+                     shared_gated=cfg.shared_expert_gated,
                      capacity_factor=cfg.expert_capacity_factor,
                      drop_policy=cfg.expert_drop_policy, dtype=cfg.compute_dtype, rngs=rngs)
 

@@ -297,6 +297,38 @@ def test_route_normalises_only_when_asked():
   np.testing.assert_allclose(w.sum(), 1.0, rtol=1e-7)
 
 
+def test_a_grouped_sigmoid_router_picks_from_the_best_groups_with_its_bias():
+  """DeepSeek-V3 / GLM-4.5's router on one token, worked by hand: 6 experts in 3 groups,
+  the best 2 groups by their two best biased scores, top-2 of those by biased score,
+  weighted by the unbiased scores, renormalised, times 2.5."""
+  from flax_tp import Router
+  logits = jnp.array([[0.0, 3.0, 0.0, 1.2, -2.0, 2.0]])
+  scores = jax.nn.sigmoid(logits[0])
+  bias = jnp.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.4])
+  # Scores .5 .95 | .5 .77 | .12 .88; biased group sums 1.45, 1.27, 1.40: groups 0 and 2,
+  # whose best are expert 5 (1.28 biased) and 1 (.95), though expert 3 (.77) outscores
+  # expert 0 (.5): its group lost.
+  w, e, probs = Router(2, score="sigmoid", groups=3, top_groups=2, scale=2.5)(logits, bias)
+  np.testing.assert_array_equal(np.sort(np.asarray(e[0])), [1, 5])
+  picked = scores[jnp.asarray(e[0])]
+  np.testing.assert_allclose(w[0], 2.5 * picked / picked.sum(), rtol=1e-6)
+  np.testing.assert_allclose(probs[0], scores / scores.sum(), rtol=1e-6)
+  # Without the bias, group 1 (1.27) beats group 2 (1.0) and expert 3 is picked.
+  _, e, _ = Router(2, score="sigmoid", groups=3, top_groups=2)(logits)
+  np.testing.assert_array_equal(np.sort(np.asarray(e[0])), [1, 3])
+  # The bias gets no gradient: it picks, it never weighs.
+  grad = jax.grad(lambda b: jnp.sum(Router(2, score="sigmoid", groups=3, top_groups=2)(
+      logits, b)[0]))(bias)
+  np.testing.assert_array_equal(grad, np.zeros(6))
+  for bad, match in ((dict(score="relu"), "router score must be one of"),
+                     (dict(groups=2, top_groups=3), "top_groups 3 is more than its groups 2")):
+    with pytest.raises(ValueError, match=match):
+      Router(2, **bad)
+  with pytest.raises(ValueError, match="groups 4 do not divide num_experts 6"):
+    MoE(D_MODEL, D_FF, 6, 2, mesh=flax_tp.make_mesh("1x1"), rngs=nnx.Rngs(0),
+        router=Router(2, groups=4))
+
+
 def test_stats_add_over_layers_as_transformers_concatenates():
   """Two layers' stats added give transformers' loss of the two layers' logits
   concatenated (its means run over the concatenation, not per layer)."""
@@ -473,6 +505,73 @@ def test_transformer_with_experts_trains_as_the_reference(meshes, moe_reference,
     assert assert_padding_zero(params) > 0
 
 
+# DeepSeek-V3 / GLM-4.5's MoE: a sigmoid router picking top-3 of 9 experts from the best
+# 2 of 3 groups with a selection bias, weights renormalised and scaled by 2.5, an ungated
+# shared expert, the first layer dense; the balance loss over normalised scores.
+GROUPED_CFG = dict(num_layers=3, num_experts=9, experts_per_token=3, expert_d_ff=10,
+                   shared_expert_d_ff=14, shared_expert_gated=False, router_score="sigmoid",
+                   router_selection_bias=True, expert_groups=3, expert_groups_per_token=2,
+                   routed_scale=2.5, moe_layers=(1, 2), router_aux_loss_coef=0.1)
+SELECTION_BIAS = np.linspace(-0.3, 0.3, 9).astype(np.float32)[::-1]
+
+
+@pytest.fixture(scope="module")
+def grouped_reference():
+  from models.config import TransformerConfig
+  cfg = TransformerConfig.preset("llama-tiny", **GROUPED_CFG)
+  tokens = jax.random.randint(jax.random.key(1), (8, cfg.max_seq_len + 1), 0, cfg.vocab_size)
+
+  def with_bias(ref):
+    for block in ref.blocks:
+      if hasattr(block.mlp, "selection_bias"):
+        block.mlp.selection_bias[...] = jnp.asarray(SELECTION_BIAS)
+  return cfg, tokens, with_bias
+
+
+@pytest.mark.parametrize("mesh_spec,options", [
+    ("4x2", {"scan_layers": True, "fsdp": True, "sequence_parallel": True}),
+    pytest.param("1x3", {}, marks=pytest.mark.slow),
+    pytest.param("2x4", {"expert_axes": "data,model"}, marks=pytest.mark.slow)])
+def test_a_grouped_sigmoid_router_trains_as_the_reference(meshes, grouped_reference,
+                                                         mesh_spec, options):
+  """The reference loops over experts with transformers' Glm4MoeTopkRouter written out;
+  flax_tp's MoE with the same declarations gives its logits, loss and every gradient, and
+  3 AdamW steps; the selection bias is a checkpointed param the optimizer never moves."""
+  from models.execution import Execution
+  from models.reference import ReferenceTransformer, reference_loss
+  from models.transformer import Transformer
+  from tests.helpers import assert_state_close
+  from train.step import Trainer, make_optimizer
+  cfg, tokens, with_bias = grouped_reference
+  ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0),
+                      execution=Execution(**options))
+  assert_state_close(model, ref, rtol=0, atol=0)  # the same seed draws the same model
+  with_bias(ref)  # (then both pick with a bias that changes picks)
+  flax_tp.load_unsharded(model, ref)
+  np.testing.assert_allclose(jax.jit(lambda t: model(t))(tokens[:, :-1]),
+                             jax.jit(lambda t: ref(t))(tokens[:, :-1]), rtol=1e-5, atol=1e-5)
+  opt = make_optimizer(lr=1e-3, steps=3, warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
+  trainer = Trainer(model, opt)
+  placed = jax.device_put(tokens, trainer.batch_sharding)
+  ref_loss, ref_grads = jax.value_and_grad(lambda m: reference_loss(m, tokens))(ref)
+  loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, placed)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  ref_grads = nnx.split_state(nnx.state(ref_grads, nnx.Param), flax_tp.TRAINED, ...)[0]
+  assert_state_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
+  assert not jax.tree.leaves(nnx.state(grads, flax_tp.SelectionBias))  # not trained
+  params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
+  for _ in range(3):
+    params, opt_state, out = trainer.train_step(params, opt_state, placed, None)
+  biases = nnx.to_flat_state(flax_tp.unshard(nnx.state(params, flax_tp.SelectionBias)))
+  assert biases
+  for _, v in biases:  # (per layer, or stacked [layers, 9])
+    for row in np.asarray(v[...]).reshape(-1, 9):
+      np.testing.assert_array_equal(row, SELECTION_BIAS)
+  assert trainer.saved(params) is params  # a checkpoint holds the biases
+  np.testing.assert_allclose(float(out["expert_load"].sum()), 1.0, rtol=1e-6)  # shares
+
+
 def test_bad_moe_configs_are_refused_by_name():
   from models.config import TransformerConfig
   with pytest.raises(ValueError, match="expert_capacity_factor must be a number > 0 or None"):
@@ -494,6 +593,15 @@ def test_bad_moe_configs_are_refused_by_name():
     MoE(D_MODEL, D_FF, EXPERTS, True, mesh=mesh, rngs=nnx.Rngs(0))
   MoE(D_MODEL, D_FF, EXPERTS, np.int64(2), mesh=mesh, capacity_factor=np.float64(1.0),
       rngs=nnx.Rngs(0))
+  for bad, match in (
+      (dict(router_score="tanh"), "router_score must be one of"),
+      (dict(expert_groups=4), "expert_groups 4 must divide num_experts 6"),
+      (dict(expert_groups=6), "leaves 1 of num_experts 6"),
+      (dict(expert_groups=3, expert_groups_per_token=1, experts_per_token=3),
+       "experts_per_token 3 is more than the 1 x 2 experts"),
+      (dict(routed_scale=0.0), "routed_scale must be a finite number > 0")):
+    with pytest.raises(ValueError, match=match):
+      TransformerConfig.preset("moe-tiny", **bad)
 
 
 def test_probs_policy_ranks_weights_an_ulp_apart_by_position():

@@ -84,7 +84,7 @@ class _Run(SetUp):
       try:
         # With LoRA the adapters alone (the base is --init-from's, or the preset's at the
         # run's seed, and is read from there on resume).
-        self.checkpointer.save(step, {"params": self.trainer.trained(self.params),
+        self.checkpointer.save(step, {"params": self.trainer.saved(self.params),
                                       "opt_state": self.opt_state},
                                {"run": self.identity, "step": step,
                                 "steps": self.job.schedule.steps,

@@ -148,11 +148,11 @@ class SetUp:
     if self.start:
       try:
         restored, _ = self.checkpointer.restore(
-            {"params": self.trainer.trained(self.params), "opt_state": self.opt_state},
+            {"params": self.trainer.saved(self.params), "opt_state": self.opt_state},
             self.start)
       except CheckpointError as err:
         raise UsageError(str(err)) from None
-      self.params = self.trainer.with_trained(self.params, restored["params"])
+      self.params = self.trainer.with_saved(self.params, restored["params"])
       self.opt_state = restored["opt_state"]
 
   def report_start(self) -> None:

@@ -107,7 +107,9 @@ class Trainer:
   ``params`` is the model's ``nnx.Param`` state (global arrays sharded as the
   layers placed them); the steps take and return it functionally. A model with LoRA
   adapters (``nnx.LoRAParam``) trains them alone: the gradients, the optimizer and its
-  state are the adapters'; the base params pass through each step unchanged.
+  state are the adapters'; the base params pass through each step unchanged. A router's
+  selection bias (``flax_tp.SelectionBias``) is never the optimizer's: it is a param
+  (checkpointed, exported) that no gradient or weight decay moves.
   """
 
   def __init__(self, model: Transformer, tx: optax.GradientTransformation,
@@ -121,6 +123,11 @@ class Trainer:
     self.loss_options = loss
     self.specs = nnx.get_partition_spec(self.params)
     self.adapters_only = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    # What the optimizer updates: the adapters, or every param but selection biases
+    # (None: all of them, the params state itself).
+    self.trained_filter = (nnx.LoRAParam if self.adapters_only else flax_tp.TRAINED
+                           if jax.tree.leaves(nnx.state(model, flax_tp.SelectionBias))
+                           else None)
     self.trained_specs = nnx.get_partition_spec(self.trained(self.params))
     # On a one-device data axis the batch is named replicated, so that no
     # (one-device) gradient all-reduce over "data" is emitted at all.
@@ -131,13 +138,25 @@ class Trainer:
     self._compiled_loss_and_grads = jax.jit(self._loss_and_grads)
 
   def trained(self, params: nnx.State) -> nnx.State:
-    """The params the optimizer updates: the adapters (with LoRA) or all of them."""
+    """The params the optimizer updates: the adapters (with LoRA), or all but the
+    routers' selection biases."""
+    if self.trained_filter is None:
+      return params
+    return nnx.split_state(params, self.trained_filter, ...)[0]
+
+  def saved(self, params: nnx.State) -> nnx.State:
+    """What a run's checkpoint holds of ``params``: the adapters (with LoRA; the base is
+    read from where it came from), else every param, selection biases included."""
     return nnx.split_state(params, nnx.LoRAParam, ...)[0] if self.adapters_only else params
+
+  def with_saved(self, params: nnx.State, saved: nnx.State) -> nnx.State:
+    """``params`` with what ``saved`` returned (restored from a checkpoint) put back."""
+    return self.with_trained(params, saved) if self.adapters_only else saved
 
   def with_trained(self, params: nnx.State, trained: nnx.State) -> nnx.State:
     """``params`` with its trained part replaced by ``trained``, in ``params``' order
     (a step's update, or the adapters a LoRA checkpoint restores)."""
-    if not self.adapters_only:
+    if self.trained_filter is None:
       return trained
     flat = dict(nnx.to_flat_state(trained))
     return nnx.from_flat_state([(path, flat.get(path, var))
@@ -146,7 +165,7 @@ class Trainer:
   def _value_and_grad(self, fn: Callable, has_aux: bool = False) -> Callable:
     """``jax.value_and_grad`` of ``fn(params, *args)`` with respect to the trained params
     only (the frozen base gets no gradient, so none is computed or reduced)."""
-    if not self.adapters_only:
+    if self.trained_filter is None:
       return jax.value_and_grad(fn, has_aux=has_aux)
 
     def run(params, *args):
