@@ -251,6 +251,11 @@ class Family:
   # and the names of an expert's gate, up and down there. None: a dense family.
   moe_prefix: str | None = None
   expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+  shared_expert: str = "shared_expert"  # the shared expert's module (GLM's "shared_experts")
+  # Multi-token-prediction layers a checkpoint may hold after its decoder layers (the
+  # config.json fields that count them; DeepSeek-V3, GLM-4.5): not run by a causal LM
+  # (transformers ignores them too), skipped by name on load with a warning.
+  mtp_fields: tuple[str, ...] = ()
 
   @property
   def name(self) -> str | None:
@@ -511,6 +516,72 @@ def _experts_out(cfg: TransformerConfig, family: str, count: str,
   return out
 
 
+# The router of Mixtral and Qwen: what a family without DeepSeek-V3's router requires.
+_SOFTMAX_ROUTER = dict(router_score="softmax", router_selection_bias=False, expert_groups=1,
+                       expert_groups_per_token=1, routed_scale=1.0, shared_expert_gated=True)
+
+
+def _deepseek_router(hf: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+  """DeepSeek-V3's and GLM-4.5's mixture of experts (``*TopkRouter``): sigmoid scores
+  picked with ``e_score_correction_bias`` from the best ``topk_group`` of ``n_group``
+  groups, renormalised (``norm_topk_prob``) and scaled (``routed_scaling_factor``);
+  ``n_shared_experts`` ungated shared experts of ``moe_intermediate_size`` each, as one
+  MLP; the first ``first_k_dense_replace`` layers dense (``intermediate_size``).
+  transformers adds no load-balancing loss to these models."""
+  if hf.get("scoring_func", "sigmoid") != "sigmoid":
+    raise HFConfigError(f"scoring_func {hf['scoring_func']!r} is not what transformers' "
+                        "router computes (sigmoid)")
+  if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+    raise HFConfigError(f"topk_method {hf['topk_method']!r} is not what transformers' router "
+                        "computes ('noaux_tc': the biased group-limited top-k)")
+  width = _number(hf, "moe_intermediate_size", integer=True)
+  count = next((f for f in ("n_routed_experts", "num_local_experts") if hf.get(f) is not None),
+               "n_routed_experts")
+  n_shared = hf.get("n_shared_experts", 1)
+  if n_shared is None or n_shared == 0:
+    shared_width = None
+  else:
+    shared_width = _number(hf, "n_shared_experts", integer=True) * width
+  layers = shared["num_layers"]
+  dense = hf.get("first_k_dense_replace", 1)
+  dense = 0 if dense in (None, 0) else _number(hf, "first_k_dense_replace", integer=True)
+  if dense >= layers:
+    raise HFConfigError(f"first_k_dense_replace {dense} leaves no MoE layer of "
+                        f"num_hidden_layers {layers}")
+  return dict(
+      num_experts=_number(hf, count, integer=True),
+      experts_per_token=_number(hf, "num_experts_per_tok", integer=True),
+      expert_d_ff=width, shared_expert_d_ff=shared_width, shared_expert_gated=False,
+      normalize_top_k=_flag(hf, "norm_topk_prob", True), router_score="sigmoid",
+      router_selection_bias=True, expert_groups=_number(hf, "n_group", 1, integer=True),
+      expert_groups_per_token=_number(hf, "topk_group", 1, integer=True),
+      routed_scale=_number(hf, "routed_scaling_factor", 1.0, integer=False),
+      moe_layers=None if dense == 0 else tuple(range(dense, layers)),
+      router_aux_loss_coef=0.0)
+
+
+def _deepseek_router_out(cfg: TransformerConfig, family: str) -> dict[str, Any]:
+  if not cfg.has_experts:
+    raise HFConfigError(f"{family} is a mixture of experts; this model has none")
+  _require(cfg, family, router_score="sigmoid", router_selection_bias=True,
+           shared_expert_gated=False, router_aux_loss_coef=0.0)
+  dense = next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+  if any(not cfg.is_moe_layer(i) for i in range(dense, cfg.num_layers)):
+    raise HFConfigError(f"{family}'s dense layers are its first (first_k_dense_replace); this "
+                        f"model's MoE layers are {cfg.moe_layers}")
+  shared = cfg.shared_expert_d_ff or 0
+  if shared % cfg.expert_width:
+    raise HFConfigError(f"{family}'s shared experts are n_shared_experts x "
+                        f"moe_intermediate_size wide; shared_expert_d_ff {shared} is not a "
+                        f"multiple of {cfg.expert_width}")
+  return dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+              moe_intermediate_size=cfg.expert_width,
+              n_shared_experts=shared // cfg.expert_width, n_group=cfg.expert_groups,
+              topk_group=cfg.expert_groups_per_token, norm_topk_prob=cfg.normalize_top_k,
+              routed_scaling_factor=cfg.routed_scale, first_k_dense_replace=dense,
+              num_nextn_predict_layers=0)
+
+
 def _mixtral_read(hf, shared):
   return dict(_mistral_read(hf, shared), **_experts(
       hf, shared, count=("num_local_experts", "num_experts"), expert_width=None,
@@ -518,6 +589,7 @@ def _mixtral_read(hf, shared):
 
 
 def _mixtral_write(cfg):
+  _require(cfg, "mixtral", **_SOFTMAX_ROUTER)
   return dict(_mistral_write(cfg), **_experts_out(cfg, "mixtral", "num_local_experts", None))
 
 
@@ -534,7 +606,7 @@ def _qwen2_moe_read(hf, shared):
 
 def _qwen2_moe_write(cfg):
   _require(cfg, "qwen2_moe", norm="rmsnorm", mlp="swiglu", qk_norm=False, attn_out_bias=False,
-           mlp_bias=False, rotary_fraction=1.0, **_NO_GEMMA)
+           mlp_bias=False, rotary_fraction=1.0, **_NO_GEMMA, **_SOFTMAX_ROUTER)
   if not cfg.shared_expert_d_ff:
     raise HFConfigError("qwen2_moe has a shared expert; this model has none "
                         "(shared_expert_d_ff is None): write it as qwen3_moe")
@@ -550,9 +622,33 @@ def _qwen3_moe_read(hf, shared):
 
 
 def _qwen3_moe_write(cfg):
-  _require(cfg, "qwen3_moe", shared_expert_d_ff=None)
+  _require(cfg, "qwen3_moe", shared_expert_d_ff=None, **_SOFTMAX_ROUTER)
   return dict(_qwen3_write(cfg), **_experts_out(cfg, "qwen3_moe", "num_experts",
                                                 "moe_intermediate_size"))
+
+
+# GLM-4.5 / 4.6 (glm4_moe): grouped-query attention with q/k/v biases (attention_bias; o
+# has none), q/k norms per head (use_qk_norm), rotary on the first half of each head
+# (partial_rotary_factor, 0.5 when absent, as transformers defaults it), DeepSeek-V3's
+# router and shared experts.
+def _glm4_moe_read(hf, shared):
+  bias = _flag(hf, "attention_bias", False)
+  fields = dict(qkv_bias=bias, attn_out_bias=False, mlp_bias=False,
+                qk_norm=_flag(hf, "use_qk_norm", False),
+                mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}),
+                **_deepseek_router(hf, shared))
+  rope, _ = _rope_dict(hf, None)
+  if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) is None:
+    fields["rotary_fraction"] = 0.5
+  return fields
+
+
+def _glm4_moe_write(cfg):
+  _require(cfg, "glm4_moe", norm="rmsnorm", mlp="swiglu", attn_out_bias=False, mlp_bias=False,
+           layer_types=None, **_NO_GEMMA)
+  return dict(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm,
+              partial_rotary_factor=cfg.rotary_fraction,
+              **_deepseek_router_out(cfg, "glm4_moe"))
 
 
 def _phi3_read(hf, shared):
@@ -589,6 +685,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            moe_prefix="mlp"),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_read, _qwen3_moe_write,
            moe_prefix="mlp"),
+    Family("glm4_moe", "Glm4MoeForCausalLM", _glm4_moe_read, _glm4_moe_write,
+           moe_prefix="mlp", shared_expert="shared_experts",
+           mtp_fields=("num_nextn_predict_layers", "num_mtp_layers")),
 )}
 SUPPORTED = tuple(FAMILIES)
 # The families whose rope fields are per layer type (read by _per_layer_type_rope).
@@ -638,6 +737,12 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
   if not isinstance(hf, dict):
     raise HFConfigError(f"config.json holds a {type(hf).__name__}, not an object of fields")
   family = family_of(hf)
+  if hf.get("quantization_config"):
+    method = hf["quantization_config"].get("quant_method") if isinstance(
+        hf["quantization_config"], dict) else None
+    raise HFConfigError(f"quantization_config ({method or hf['quantization_config']!r}) is not "
+                        "read: flax_tp loads float checkpoints (dequantize it first, e.g. "
+                        "transformers' from_pretrained then save_pretrained)")
   fields = _shared(hf)
   fields.update(_rope_fields(hf) if family.model_type not in _PER_LAYER_TYPE_ROPE else {})
   fields.update(family.read(hf, fields))
@@ -645,6 +750,19 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     return TransformerConfig(**fields, family=family.name)
   except ValueError as err:
     raise HFConfigError(f"{family.model_type} config: {err}") from None
+
+
+def mtp_prefixes(hf: dict[str, Any], cfg: TransformerConfig) -> tuple[str, ...]:
+  """The tensor-name prefixes of the multi-token-prediction layers a checkpoint of this
+  config.json may hold after its ``cfg.num_layers`` decoder layers
+  (``num_nextn_predict_layers``; ``model.layers.{num_layers + j}.``), which a causal LM
+  does not run; none for a family without them."""
+  family = family_of(hf)
+  field = next((f for f in family.mtp_fields if hf.get(f) is not None), None)
+  if field is None or hf[field] == 0:
+    return ()
+  count = _number(hf, field, integer=True)
+  return tuple(f"model.layers.{cfg.num_layers + j}." for j in range(count))
 
 
 def family_for(cfg: TransformerConfig) -> Family:
@@ -664,7 +782,8 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
   family = family_for(cfg)
   if cfg.has_experts and family.moe_prefix is None:
     raise HFConfigError(f"this model has mixture-of-experts layers, which {family.model_type} "
-                        "cannot hold (a MoE family is mixtral, qwen2_moe or qwen3_moe)")
+                        "cannot hold (a MoE family is mixtral, qwen2_moe, qwen3_moe or "
+                        "glm4_moe)")
   if cfg.norm not in ("rmsnorm", "rmsnorm_offset") or cfg.mlp not in ("swiglu", "geglu"):
     raise HFConfigError(f"norm={cfg.norm!r}, mlp={cfg.mlp!r} has no HF equivalent (needs "
                         "norm='rmsnorm', mlp='swiglu' as Llama, or a family's own)")
@@ -707,6 +826,8 @@ class HFTensor:
   transposed: bool
   sizes: tuple[int, ...] | None = None
   expert: int | None = None
+  buffer: bool = False  # not trained (HF's nn.Buffer; a flax_tp.SelectionBias): a gradients
+  # state has none
 
 
 _ATTENTION = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"))
@@ -721,6 +842,9 @@ def _moe_tensors(cfg: TransformerConfig, family: Family, layer: str, at: Callabl
   expert with its gate."""
   prefix = "mlp" if experts_fused else family.moe_prefix
   yield HFTensor(f"{layer}.{prefix}.gate.weight", (at("mlp", "router"),), True)
+  if cfg.router_selection_bias:
+    yield HFTensor(f"{layer}.{prefix}.gate.e_score_correction_bias",
+                   (at("mlp", "selection_bias"),), False, buffer=True)
   if experts_fused:
     yield HFTensor(f"{layer}.mlp.experts.gate_up_proj", (at("mlp", "gate"), at("mlp", "up")),
                    True, (cfg.expert_width, cfg.expert_width))
@@ -733,10 +857,11 @@ def _moe_tensors(cfg: TransformerConfig, family: Family, layer: str, at: Callabl
   if cfg.shared_expert_d_ff:
     for ours, hf in (("shared_gate", "gate_proj"), ("shared_up", "up_proj"),
                      ("shared_down", "down_proj")):
-      yield HFTensor(f"{layer}.mlp.shared_expert.{hf}.weight", (at("mlp", ours, "kernel"),),
-                     True)
-    yield HFTensor(f"{layer}.mlp.shared_expert_gate.weight", (at("mlp", "shared_expert_gate"),),
-                   True)
+      yield HFTensor(f"{layer}.mlp.{family.shared_expert}.{hf}.weight",
+                     (at("mlp", ours, "kernel"),), True)
+    if cfg.shared_expert_gated:
+      yield HFTensor(f"{layer}.mlp.shared_expert_gate.weight",
+                     (at("mlp", "shared_expert_gate"),), True)
 
 
 def tensor_names(cfg: TransformerConfig, experts_fused: bool = False) -> Iterator[HFTensor]:

@@ -34,7 +34,14 @@ from flax_tp.param_info import ParamInfo
 from flax_tp.stack import per_layer_paths, set_layer, stacked_layers
 from models.config import TransformerConfig, check_architecture_fields
 from models.execution import Execution
-from models.families import SUPPORTED, HFConfigError, config_from_hf, config_to_hf, tensor_names
+from models.families import (
+  SUPPORTED,
+  HFConfigError,
+  config_from_hf,
+  config_to_hf,
+  mtp_prefixes,
+  tensor_names,
+)
 from models.transformer import Transformer
 
 __all__ = ["SUPPORTED", "HFConfigError", "config_from_hf", "config_to_hf", "load_hf",
@@ -53,16 +60,27 @@ def to_hf_state_dict(state: nnx.State, cfg: TransformerConfig,
   """HF names and logical ``[out, in]`` arrays of a params (or gradients) state of a
   ``Transformer`` with config ``cfg``. A MoE's experts one tensor per expert, as
   ``save_pretrained`` writes them, or ``experts_fused`` as transformers 5 holds them in
-  memory (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)."""
+  memory (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``). A gradients state has no
+  selection biases (never trained): their tensors are left out."""
   logical = flax_tp.unshard(state)
   out = {}
   for tensor in tensor_names(cfg, experts_fused):
+    if tensor.buffer and not _has(logical, tensor.paths[0]):  # gradients: none for it
+      continue
     parts = [np.asarray(_at(logical, path)[...]) for path in tensor.paths]
     if tensor.expert is not None:
       parts = [part[tensor.expert] for part in parts]
     value = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]  # fused: rows
     out[tensor.name] = np.ascontiguousarray(_transposed(value) if tensor.transposed else value)
   return out
+
+
+def _has(state: nnx.State, path: tuple) -> bool:
+  try:
+    _at(state, path)
+  except (KeyError, IndexError, TypeError):
+    return False
+  return True
 
 
 def _transposed(value: np.ndarray) -> np.ndarray:
@@ -234,6 +252,17 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
   # A tied model's file may also hold the head (equal to the embedding: see read_config).
   unused = sorted(set(tensors.files) - used - ({"lm_head.weight"} if cfg.tie_embeddings
                                                else set()))
+  # DeepSeek-V3's and GLM-4.5's multi-token-prediction layers: a causal LM does not run
+  # them (transformers skips them too); skipped by name, and said.
+  mtp = mtp_prefixes(json.loads((directory / "config.json").read_text(encoding="utf-8")), cfg)
+  skipped = [name for name in unused if name.startswith(mtp)] if mtp else []
+  if skipped:
+    unused = [name for name in unused if name not in set(skipped)]
+    layers = sorted({name[:name.index(".", len("model.layers."))] for name in skipped})
+    warnings.warn(f"{str(directory)!r}: skipped the {len(skipped)} tensors of the "
+                  f"multi-token-prediction layer{'s' if len(layers) > 1 else ''} "
+                  f"{', '.join(layers)} (num_nextn_predict_layers), which a causal LM does "
+                  "not run", stacklevel=2)
   if unused:  # a tensor this architecture does not have: not the model it claims
     raise HFConfigError(f"the checkpoint has tensors the config does not explain: "
                         f"{unused[:5]}{' ...' if len(unused) > 5 else ''}")

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import fine_tune_folder
 
 import flax_tp
@@ -32,13 +33,13 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 DENSE = ["llama3", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
          "olmo3"]
 # Mixtures of experts: experts over "data" as well, so 4x2 too.
-EXPERTS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+EXPERTS = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"]
 FAMILIES = DENSE + EXPERTS
 MESHES = ["1x1", "1x3", "2x4", "1x8"]
 MOE_MESHES = [*MESHES, "4x2"]
 # The fast lane runs each family on one mesh (each mesh at least once); the slow the rest.
 FAST = {name: MESHES[i % len(MESHES)] for i, name in enumerate(DENSE)}
-FAST.update(mixtral="2x4", qwen2_moe="4x2", qwen3_moe="1x3",
+FAST.update(mixtral="2x4", qwen2_moe="4x2", qwen3_moe="1x3", glm4_moe="1x8",
             # OLMo's q/k norms over heads split unevenly (6 over 4) and kv heads replicated
             olmo2="2x4", olmo3="1x3")
 CASES = [pytest.param(name, mesh, marks=() if FAST[name] == mesh else pytest.mark.slow,
@@ -99,6 +100,11 @@ def test_family_equals_transformers(meshes, name, mesh_spec):
     # its dense and MoE layers scanned as runs of one kind, experts under SP and FSDP
     ("qwen2_moe", "2x4", Execution(scan_layers=True, sequence_parallel=True, fsdp=True,
                                    remat="dots_saveable")),
+    # GLM-4.5's 9 experts whole on the 8 devices of 2x4 (two on one), its router over
+    # scanned runs of a dense and a MoE layer, under SP and FSDP
+    ("glm4_moe", "2x4", Execution(expert_axes=("data", "model"), scan_layers=True,
+                                  sequence_parallel=True, fsdp=True)),
+    pytest.param("glm4_moe", "4x2", Execution(remat="block"), marks=pytest.mark.slow),
     # each expert whole on one device: 8 experts over data x model
     pytest.param("qwen3_moe", "2x4", Execution(expert_axes=("data", "model")),
                  marks=pytest.mark.slow),
@@ -142,6 +148,9 @@ RING = "ring"
                  marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "1x4x2", Execution(expert_axes=("data", "context", "model"),
                                                  sequence_parallel=True),
+                 marks=pytest.mark.slow),
+    pytest.param("glm4_moe", "2x2x2", Execution(expert_axes=("data", "context"),
+                                                context_parallel=RING),
                  marks=pytest.mark.slow),
 ])
 def test_family_on_a_context_mesh_equals_transformers(name, mesh_spec, execution):
@@ -201,11 +210,20 @@ def test_saved_folder_loads_in_transformers_to_the_same_logits(tmp_path, meshes,
     ("olmo3", dict(sliding_window=8)),
     ("qwen2_moe", dict(normalize_top_k=True)),
     ("qwen3_moe", dict(experts_per_token=2)),
+    ("glm4_moe", dict(expert_groups=1, expert_groups_per_token=1)),
+    ("glm4_moe", dict(routed_scale=1.0)),
+    ("glm4_moe", dict(rotary_fraction=1.0)),
+    ("glm4_moe", "no selection bias"),
 ])
 def test_each_fixture_tells_its_mechanism_apart(meshes, name, change):
   """Without the mechanism (or with another window) the logits are not transformers':
   the fixtures can fail the tests above."""
-  model = load_hf(FIXTURES / name, meshes["1x1"], **change)
+  if change == "no selection bias":
+    model = load_hf(FIXTURES / name, meshes["1x1"])
+    for _, bias in nnx.to_flat_state(nnx.state(model, flax_tp.SelectionBias)):
+      bias[...] = jnp.zeros_like(bias[...])
+  else:
+    model = load_hf(FIXTURES / name, meshes["1x1"], **change)
   expected = np.load(FIXTURES / name / "expected.npz")
   logits = np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(expected["ids"], jnp.int32)))
   assert np.max(np.abs(logits - expected["logits"])) > 1e-3
@@ -227,6 +245,11 @@ def _copy(name, folder):
     ("mixtral", "missing", "model.layers.1.block_sparse_moe.experts.5.w2.weight"),
     ("qwen3_moe", "extra", "model.layers.0.mlp.experts.7.up_proj.weight"),
     ("qwen2_moe", "missing", "model.layers.1.mlp.shared_expert_gate.weight"),
+    ("glm4_moe", "missing", "model.layers.1.mlp.gate.e_score_correction_bias"),
+    ("glm4_moe", "extra", "model.layers.1.mlp.shared_expert_gate.weight"),
+    ("glm4_moe", "missing", "model.layers.1.mlp.experts.8.down_proj.weight"),
+    # past the one multi-token-prediction layer (2) the config declares
+    ("glm4_moe", "extra", "model.layers.3.eh_proj.weight"),
 ])
 def test_a_tampered_checkpoint_is_refused_naming_the_tensor(tmp_path, meshes, name, how, named):
   from safetensors.numpy import load_file, save_file
@@ -240,6 +263,28 @@ def test_a_tampered_checkpoint_is_refused_naming_the_tensor(tmp_path, meshes, na
   with pytest.raises(HFConfigError) as err:
     load_hf(folder, meshes["1x2"])
   assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_multi_token_prediction_layers_are_skipped_by_name_and_said(tmp_path, meshes):
+  """GLM-4.5 and DeepSeek-V3 ship ``num_nextn_predict_layers`` layers after the decoder's
+  (``model.layers.{num_hidden_layers}.*``), which a causal LM does not run: skipped with a
+  warning naming them, the model transformers' still; declared as none, they are refused."""
+  from safetensors.numpy import load_file, save_file
+  folder = _copy("glm4_moe", tmp_path / "m")
+  tensors = load_file(folder / "model.safetensors")
+  tensors.update({"model.layers.2.eh_proj.weight": np.ones((24, 48), np.float32),
+                  "model.layers.2.mlp.experts.0.up_proj.weight": np.ones((14, 24), np.float32)})
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.warns(UserWarning, match="skipped the 2 tensors of the multi-token-prediction "
+                                       "layer model.layers.2 "):
+    model = load_hf(folder, meshes["1x2"])
+  expected = np.load(FIXTURES / "glm4_moe" / "expected.npz")
+  np.testing.assert_allclose(jax.jit(lambda t: model(t))(jnp.asarray(expected["ids"])),
+                             expected["logits"], rtol=1e-5, atol=1e-5)
+  config = json.loads((folder / "config.json").read_text())
+  (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+  with pytest.raises(HFConfigError, match="model.layers.2.eh_proj.weight"):
+    load_hf(folder, meshes["1x2"])
 
 
 @pytest.mark.parametrize("mesh_spec", ["2x4", pytest.param("1x8", marks=pytest.mark.slow)])
@@ -284,6 +329,10 @@ def _config(name):
     ("qwen3", {"model_type": "qwen3_moe"}, "lacks 'num_experts'"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
     ("qwen2_moe", {"mlp_only_layers": "0"}, "mlp_only_layers"),
+    ("glm4_moe", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config \\('fp8'"),
+    ("glm4_moe", {"first_k_dense_replace": 2}, "first_k_dense_replace 2 leaves no MoE layer"),
+    ("glm4_moe", {"n_group": 2}, "expert_groups 2 must divide num_experts 9"),
+    ("glm4_moe", {"topk_method": "greedy"}, "topk_method 'greedy'"),
 ])
 def test_configs_it_cannot_honour_are_named(name, change, field):
   with pytest.raises(HFConfigError, match=field):
@@ -347,7 +396,7 @@ def test_old_identity_is_unchanged_and_new_fields_round_trip():
 # -- from the CLI, as a new user runs it -----------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma3_text", "phi3", "olmo3"])
+@pytest.mark.parametrize("name", ["gemma3_text", "phi3", "olmo3", "glm4_moe"])
 def test_a_family_fine_tunes_resumes_on_another_mesh_and_generates(tmp_path, name, capsys):
   """``train/run.py --init-from`` a family's folder (its own tokenizer.json) on 2x4 with
   every execution option, resumed on 1x8 from a copied checkpoint, then
