@@ -243,8 +243,19 @@ def experts_line(cfg, axes: flax_tp.MeshAxes, expert_roles: tuple[str, ...],
   if flax_tp.MODEL_AXIS in over:
     dispatch.append("each model device runs its own experts, outputs summed over model")
   dispatch = "; ".join(dispatch) or "every expert on every device: no dispatch"
-  shared = (f" | shared expert FFN {cfg.shared_expert_d_ff}" if cfg.shared_expert_d_ff
+  shared = (f" | shared expert FFN {cfg.shared_expert_d_ff}"
+            f"{'' if cfg.shared_expert_gated else ', ungated'}" if cfg.shared_expert_d_ff
             else "")
+  router = []  # beyond Mixtral's softmax top-k (DeepSeek-V3, GLM-4.5)
+  if cfg.router_score != "softmax":
+    router.append(f"{cfg.router_score} scores")
+  if cfg.router_selection_bias:
+    router.append("picked with a selection bias")
+  if cfg.expert_groups > 1:
+    router.append(f"from the best {cfg.expert_groups_per_token} of {cfg.expert_groups} groups")
+  if cfg.routed_scale != 1.0:
+    router.append(f"weights x {cfg.routed_scale:g}")
+  router = f" ({', '.join(router)})" if router else ""
   factor, k, e = cfg.expert_capacity_factor, cfg.experts_per_token, cfg.num_experts
   if factor is None:
     capacity = "dropless"
@@ -259,5 +270,5 @@ def experts_line(cfg, axes: flax_tp.MeshAxes, expert_roles: tuple[str, ...],
                f"each expert's FFN {cfg.expert_width} over model: "
                f"{', '.join(map(str, ffn.sizes))}")
   return (f"experts: {cfg.num_experts} in each of {layers} MoE layer(s), top-"
-          f"{cfg.experts_per_token}, {capacity} | over {' x '.join(over or ('data',))}: "
+          f"{cfg.experts_per_token}{router}, {capacity} | over {' x '.join(over or ('data',))}: "
           f"{per_shard} per shard{padded} | {ffn_words}{shared} | {dispatch}")
