@@ -312,11 +312,13 @@ class Transformer(nnx.Module):
     """How the logits' vocabulary dimension is split and padded."""
     return self.embed.layout
 
-  def __call__(self, tokens_bs, *, dropout_key=None, return_router_stats=False):
+  def __call__(self, tokens_bs, *, dropout_key=None, return_router_stats=False,
+               return_layer_loads=False):
     """``return_router_stats`` (inside a map, a model with MoE layers): also the sum of
     the MoE layers' ``flax_tp.moe.RouterStats`` over this device's tokens (its data
     shard's, and on a context mesh its context slots' holding a token): sum them over
-    ``batch_axes()``."""
+    ``batch_axes()``. ``return_layer_loads`` with it: and each MoE layer's own counts,
+    ``[MoE layers, E]`` in layer order (the selection biases' balancing reads them)."""
     if not flax_tp.axis_is_bound(flax_tp.MODEL_AXIS):
       if return_router_stats:
         raise ValueError("return_router_stats is for a call inside the step's shard_map")
@@ -331,11 +333,13 @@ class Transformer(nnx.Module):
     # parallel: reduce-scattered to this device's block
     x = layout.zero_padding(x)
     x = _dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout, rows, layout)
-    x, stats = self._blocks(x, dropout_key, rows, layout)
+    x, stats, loads = self._blocks(x, dropout_key, rows, layout)
     x = self.ln_f(x)
     x = flax_tp.copy_to_parallel(x) if layout.sequence is None else layout.gather(x)
     logits = ops.softcap_of(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
                             cfg.final_softcap)
+    if return_layer_loads:
+      return logits, stats, loads
     return (logits, stats) if return_router_stats else logits
 
   def activation_layout(self, seq_len: int) -> ActivationLayout:
@@ -358,10 +362,11 @@ class Transformer(nnx.Module):
   def _blocks(self, x, key, rows, layout):
     """The blocks in order (``flax_tp.remat.run_blocks``): a Python loop, or one
     ``lax.scan`` per stacked run of blocks; each recomputed in backward under ``remat``.
-    Returns ``(x, the MoE layers' RouterStats summed, or None)``."""
+    Returns ``(x, the MoE layers' RouterStats summed, or None, their counts [MoE layers,
+    E] in layer order, or None)``."""
     execution = self.execution
     moe = self.cfg.has_experts
-    stats = None
+    stats, loads = None, []
     for blocks, first, count in self._runs():
       def call(block, x, layer, key, rows, first=first):
         out = block(x, key, layer + first, rows, layout)
@@ -373,10 +378,11 @@ class Transformer(nnx.Module):
         x = out
         continue
       x, run_stats = out
-      if run_stats is not None:
+      if run_stats is not None:  # (stacked: [MoE layers of the run, ...])
+        loads.append(run_stats.counts)
         run_stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), run_stats)
         stats = run_stats if stats is None else stats + run_stats
-    return x, stats
+    return x, stats, (jnp.concatenate(loads) if loads else None)
 
   def _each_block(self):
     """The blocks one by one (a stacked model's as views of one layer's params)."""

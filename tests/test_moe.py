@@ -2,6 +2,8 @@
 outputs, router statistics and losses, and every param's gradient, on meshes whose
 axes divide neither the experts nor the FFN width."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -570,6 +572,56 @@ def test_a_grouped_sigmoid_router_trains_as_the_reference(meshes, grouped_refere
       np.testing.assert_array_equal(row, SELECTION_BIAS)
   assert trainer.saved(params) is params  # a checkpoint holds the biases
   np.testing.assert_allclose(float(out["expert_load"].sum()), 1.0, rtol=1e-6)  # shares
+
+
+@pytest.mark.parametrize("mesh_spec,options", [
+    ("2x4", {"scan_layers": True}),
+    pytest.param("1x8", {"fsdp": True, "sequence_parallel": True}, marks=pytest.mark.slow)])
+def test_loss_free_balancing_moves_each_bias_toward_its_layers_mean_load(
+    meshes, grouped_reference, mesh_spec, options):
+  """DeepSeek-V3's auxiliary-loss-free balancing: after each step every MoE layer's
+  selection bias moves by the rate, up for the experts below the layer's mean load and
+  down for those above, from the step's global counts (the reference's picks counted per
+  layer); the rest of the step is the step without it."""
+  from models.execution import Execution
+  from models.reference import ReferenceTransformer
+  from models.transformer import Transformer
+  from train.step import Trainer, balance_selection_biases, make_optimizer
+  cfg, tokens, with_bias = grouped_reference
+  ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  with_bias(ref)
+  _, _, picked = ref(tokens, return_picked=True)
+  loads = [np.bincount(np.asarray(p).reshape(-1), minlength=9) for p in picked]
+  expected = [SELECTION_BIAS + 0.01 * np.sign(np.mean(c) - c) for c in loads]
+  assert all(np.any(c != np.mean(c)) for c in loads)  # (the fixture is not balanced)
+  model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0),
+                      execution=Execution(**options))
+  flax_tp.load_unsharded(model, ref)
+  opt = make_optimizer(lr=1e-3, steps=3, warmup_steps=0)
+  balanced, plain = Trainer(model, opt, bias_update_rate=0.01), Trainer(model, opt)
+  placed = jax.device_put(tokens, balanced.batch_sharding)
+  start = balanced.params
+  params, _, out = balanced.train_step(
+      jax.tree.map(jnp.copy, start), balanced.init_opt_state(start), placed, None)
+  moved = [np.asarray(v[...]).reshape(-1, 9) for _, v in sorted(nnx.to_flat_state(
+      flax_tp.unshard(nnx.state(params, flax_tp.SelectionBias))), key=lambda kv: kv[0])]
+  np.testing.assert_allclose(np.concatenate(moved), np.stack(expected), rtol=0, atol=1e-7)
+  spread = np.mean([e.max() - e.min() for e in expected])
+  np.testing.assert_allclose(float(out["selection_bias_spread"]), spread, rtol=1e-6)
+  same, _, plain_out = plain.train_step(
+      jax.tree.map(jnp.copy, start), plain.init_opt_state(start), placed, None)
+  np.testing.assert_array_equal(plain_out["loss"], out["loss"])
+  others = lambda state: nnx.split_state(state, flax_tp.TRAINED, ...)[0]
+  assert_close = lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  jax.tree.map(assert_close, others(params), others(same))
+  # The update rule on its own: ties stay put, a stacked run's rows each their own layer's.
+  one = nnx.State({"b": flax_tp.SelectionBias(jnp.zeros((2, 3)))})
+  out_state, _ = balance_selection_biases(one, jnp.array([[1.0, 1.0, 1.0], [0.0, 3.0, 0.0]]),
+                                          0.5)
+  np.testing.assert_array_equal(out_state["b"][...], [[0, 0, 0], [0.5, -0.5, 0.5]])
+  with pytest.raises(ValueError, match="this model has none"):
+    Trainer(Transformer(dataclasses.replace(cfg, router_selection_bias=False),
+                        mesh=meshes["1x1"], rngs=nnx.Rngs(0)), opt, bias_update_rate=0.01)
 
 
 def test_bad_moe_configs_are_refused_by_name():

@@ -49,13 +49,18 @@ class LossJob:
   label_smoothing: float = 0.0
   z_loss: float = 0.0
   router_z_loss: float = 0.0  # mixture of experts: the router z-loss's weight
+  # DeepSeek-V3's auxiliary-loss-free balancing: how far each step moves a router's
+  # selection bias toward its layer's mean load (0: off)
+  router_bias_rate: float = 0.0
 
   def identity(self) -> dict:
     """The fields as a run's identity holds them: one added after runs were written
-    (``router_z_loss``) is left out at its default, so those runs still resume."""
+    (``router_z_loss``, ``router_bias_rate``) is left out at its default, so those runs
+    still resume."""
     out = dataclasses.asdict(self)
-    if out["router_z_loss"] == 0.0:
-      del out["router_z_loss"]
+    for name in ("router_z_loss", "router_bias_rate"):
+      if out[name] == 0.0:
+        del out[name]
     return out
 
 
@@ -147,7 +152,7 @@ class Job:
         optimizer=section(OptimizerJob, lr="lr", warmup_steps="warmup_steps",
                           weight_decay="weight_decay", grad_clip="grad_clip"),
         loss=section(LossJob, label_smoothing="label_smoothing", z_loss="z_loss",
-                     router_z_loss="router_z_loss"),
+                     router_z_loss="router_z_loss", router_bias_rate="router_bias_rate"),
         lora=section(LoRAJob, rank="lora_rank", alpha="lora_alpha", targets="lora_targets",
                      rslora="lora_rslora"),
         schedule=section(ScheduleJob, steps="steps", batch_size="batch_size", seed="seed",

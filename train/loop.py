@@ -157,6 +157,8 @@ class _Run(SetUp):
                         router_z_loss=float(out["router_z_loss"]),
                         expert_dropped=float(out["expert_dropped"]),
                         expert_load=[round(float(v), 5) for v in out["expert_load"]])
+        if "selection_bias_spread" in out:  # loss-free balancing: how far the biases moved
+          record["selection_bias_spread"] = float(out["selection_bias_spread"])
         if (schedule.eval_every and done % schedule.eval_every == 0) or done == steps:
           self.last_eval = record["eval_loss"] = self.evaluate()
           progress.console.print(f"step {done}: train loss {loss:.4f}, eval loss "

@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="mixture of experts: weight of the router z-loss (the router logits' "
                       "logsumexp squared, ST-MoE) added to the loss; the load-balancing "
                       "loss's weight is the model's router_aux_loss_coef")
+  p.add_argument("--router-bias-rate", type=float, default=0.0,
+                 help="mixture of experts with a selection bias (DeepSeek-V3, GLM-4.5): "
+                      "after each step move each expert's bias by this much toward its "
+                      "layer's mean load (DeepSeek-V3's auxiliary-loss-free balancing; "
+                      "its report used 0.001); default: off")
   p.add_argument("--expert-capacity-factor", type=float, default=d["expert_capacity_factor"],
                  help="mixture of experts: each expert takes at most ceil(F * tokens * "
                       "top_k / experts) of a step's routed choices, the rest dropped "
@@ -185,6 +190,7 @@ def check_args(args: argparse.Namespace) -> None:
                   "label_smoothing": ("a number in [0, 1]", lambda v: 0 <= v <= 1),
                   "z_loss": ("a number >= 0", lambda v: v >= 0),
                   "router_z_loss": ("a number >= 0", lambda v: v >= 0),
+                  "router_bias_rate": ("a number >= 0", lambda v: v >= 0),
                   "dropout": ("a number in [0, 1)", lambda v: 0 <= v < 1)}
   if args.expert_capacity_factor is not None:
     float_ranges["expert_capacity_factor"] = ("a positive number", lambda v: v > 0)

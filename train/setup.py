@@ -87,6 +87,9 @@ class SetUp:
     if job.loss.router_z_loss and not self.cfg.has_experts:  # never a weight that does nothing
       raise UsageError(f"--router-z-loss {job.loss.router_z_loss} is for a model with experts "
                        "(it weighs their router's z-loss); this one has none")
+    if job.loss.router_bias_rate and not self.cfg.router_selection_bias:
+      raise UsageError(f"--router-bias-rate {job.loss.router_bias_rate} moves a router's "
+                       "selection bias (DeepSeek-V3, GLM-4.5); this model's routers have none")
     self.checkpointer = None
     if job.checkpoint.dir:
       self.checkpointer = Checkpointer(job.checkpoint.dir,
@@ -141,7 +144,8 @@ class SetUp:
     tx = make_optimizer(lr=opt.lr, steps=job.schedule.steps, warmup_steps=opt.warmup_steps,
                         weight_decay=opt.weight_decay, grad_clip=opt.grad_clip)
     self.trainer = Trainer(model, tx, LossOptions(job.loss.label_smoothing, job.loss.z_loss,
-                                                  router_z_loss=job.loss.router_z_loss))
+                                                  router_z_loss=job.loss.router_z_loss),
+                           bias_update_rate=job.loss.router_bias_rate)
     del model
     self.params = self.trainer.params
     self.opt_state = self.trainer.init_opt_state(self.params)

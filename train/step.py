@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +102,37 @@ def moe_metrics(stats: flax_tp.RouterStats, num_experts: int, top_k: int) -> dic
           "expert_dropped": stats.dropped / (stats.tokens * top_k)}
 
 
+def balance_selection_biases(params: nnx.State, loads: jax.Array,
+                             rate: float) -> tuple[nnx.State, jax.Array]:
+  """DeepSeek-V3's auxiliary-loss-free load balancing (its report, section 2.1.2): after
+  a step, each MoE layer's selection bias moves by ``rate`` per expert, up for an expert
+  that took fewer of the step's choices than the layer's mean, down for one that took
+  more (``bias += rate * sign(mean(load) - load)``). ``loads [MoE layers, E]``: the
+  step's global counts in layer order (``Transformer(..., return_layer_loads=True)``).
+  Returns the params with the biases moved, and the biases' mean spread (max - min per
+  layer) after the move, which the metrics log."""
+  flat = sorted(nnx.to_flat_state(params), key=lambda item: item[0])
+  row, spreads, out = 0, [], []
+  for path, var in flat:
+    if not isinstance(var, flax_tp.SelectionBias):
+      out.append((path, var))
+      continue
+    bias = var[...]
+    layers = bias.reshape(-1, bias.shape[-1]).shape[0]  # a stacked run's [layers, E]
+    load = loads[row:row + layers].reshape(bias.shape)
+    row += layers
+    nudge = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    moved = bias + nudge.astype(bias.dtype)
+    spreads.append(jnp.max(moved, axis=-1) - jnp.min(moved, axis=-1))
+    out.append((path, var.replace(moved)))
+  if row != loads.shape[0]:
+    raise ValueError(f"{loads.shape[0]} MoE layers' loads for {row} selection biases")
+  order = {path: i for i, (path, _) in enumerate(nnx.to_flat_state(params))}
+  out.sort(key=lambda item: order[item[0]])
+  return nnx.from_flat_state(out), jnp.mean(jnp.concatenate(
+      [jnp.reshape(s, (-1,)) for s in spreads]))
+
+
 class Trainer:
   """Compiled train and eval steps for one model on its mesh.
 
@@ -113,7 +145,7 @@ class Trainer:
   """
 
   def __init__(self, model: Transformer, tx: optax.GradientTransformation,
-               loss: LossOptions = LossOptions()):
+               loss: LossOptions = LossOptions(), *, bias_update_rate: float = 0.0):
     self.graphdef, self.params, rest = nnx.split(model, nnx.Param, ...)
     if jax.tree.leaves(rest):
       raise ValueError(f"the model holds non-Param state the step would drop: {rest}")
@@ -129,6 +161,18 @@ class Trainer:
                            if jax.tree.leaves(nnx.state(model, flax_tp.SelectionBias))
                            else None)
     self.trained_specs = nnx.get_partition_spec(self.trained(self.params))
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each step every selection bias
+    # moves by this rate toward its layer's mean load (balance_selection_biases).
+    if not (isinstance(bias_update_rate, (int, float)) and 0 <= bias_update_rate < math.inf):
+      raise ValueError(f"bias_update_rate must be a finite number >= 0, got "
+                       f"{bias_update_rate!r}")
+    if bias_update_rate and not jax.tree.leaves(nnx.state(model, flax_tp.SelectionBias)):
+      raise ValueError("bias_update_rate balances routers' selection biases; this model has "
+                       "none (router_selection_bias is False)")
+    if bias_update_rate and self.adapters_only:
+      raise ValueError("bias_update_rate moves selection biases, which LoRA freezes with the "
+                       "rest of the base (a LoRA checkpoint holds the adapters alone)")
+    self.bias_update_rate = float(bias_update_rate)
     # On a one-device data axis the batch is named replicated, so that no
     # (one-device) gradient all-reduce over "data" is emitted at all.
     self.batch_spec = P(split_over(flax_tp.DATA_AXIS, self.mesh.shape[flax_tp.DATA_AXIS]))
@@ -206,7 +250,8 @@ class Trainer:
     and every MoE layer (as transformers concatenates the layers' router logits), and
     over all ``S + 1`` tokens, which it runs through the model as transformers runs its
     ``input_ids`` (the last one's logits are dropped).
-    ``with_router``: returns ``(loss, the global RouterStats or None)``;
+    ``with_router``: returns ``(loss, the global RouterStats or None)``; ``"layers"``:
+    ``(loss, (RouterStats, each MoE layer's global counts [MoE layers, E]))``;
     ``router_losses=False``: the cross-entropy alone (the eval loss).
     """
     # Mark the params as per-replica once, here: backward then sums each param's
@@ -216,11 +261,14 @@ class Trainer:
     params = gather_for_step(params)
     model = nnx.merge(self.graphdef, params)
     stats = None
+    loads = None
     if self.cfg.has_experts:
       # All S + 1 tokens through the model, as transformers runs its input_ids: the last
       # token predicts nothing, but its routing counts in the load-balancing loss.
-      logits, stats = model(tokens, dropout_key=key, return_router_stats=True)
+      logits, stats, loads = model(tokens, dropout_key=key, return_layer_loads=True)
       stats = stats.all_reduce(batch_axes())  # every data and context shard's tokens
+      if with_router == "layers":  # (one more small all-reduce, only when balancing)
+        loads = flax_tp.all_reduce(loads, "sum", batch_axes())
     else:
       logits = model(tokens[:, :-1], dropout_key=key)
     model_len = tokens.shape[1] if self.cfg.has_experts else tokens.shape[1] - 1
@@ -256,6 +304,8 @@ class Trainer:
         loss = loss + self.cfg.router_aux_loss_coef * flax_tp.load_balancing_loss(stats)
       if options.router_z_loss:
         loss = loss + options.router_z_loss * flax_tp.router_z_loss(stats)
+    if with_router == "layers":
+      return loss, (stats, loads)
     return (loss, stats) if with_router else loss
 
   def _map(self, fn: Callable, out_specs: Any, with_labels: bool = False) -> Callable:
@@ -278,18 +328,26 @@ class Trainer:
 
   def _train_step(self, params, opt_state, tokens, key):
     metrics = {}
+    loads = None
     if self.cfg.has_experts:
-      loss = functools.partial(self._local_loss, options=self.loss_options, with_router=True)
+      balancing = self.bias_update_rate > 0
+      loss = functools.partial(self._local_loss, options=self.loss_options,
+                               with_router="layers" if balancing else True)
       stats_specs = flax_tp.RouterStats(*(P(),) * len(flax_tp.RouterStats._fields))
-      (loss, stats), grads = self._map(self._value_and_grad(loss, has_aux=True),
-                                       ((P(), stats_specs), self.trained_specs))(
+      aux_specs = (stats_specs, P()) if balancing else stats_specs
+      (loss, aux), grads = self._map(self._value_and_grad(loss, has_aux=True),
+                                     ((P(), aux_specs), self.trained_specs))(
           params, tokens, key)
+      stats, loads = aux if balancing else (aux, None)
       metrics.update(moe_metrics(stats, self.cfg.num_experts, self.cfg.experts_per_token))
     else:
       loss, grads = self.loss_and_grads(params, tokens, key)
     trained = self.trained(params)
     updates, opt_state = self.tx.update(grads, opt_state, trained)
     params = self.with_trained(params, optax.apply_updates(trained, updates))
+    if self.bias_update_rate:
+      params, spread = balance_selection_biases(params, loads, self.bias_update_rate)
+      metrics["selection_bias_spread"] = spread
     return params, opt_state, {"loss": loss, "grad_norm": flax_tp.logical_norm(grads),
                                **metrics}
 
