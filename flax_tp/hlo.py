@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import re
 
 import numpy as np
@@ -110,6 +111,20 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
     found.append(Collective(match["kind"], operands, sum(_nbytes(*o) for o in operands),
                             _axes(_groups(line), mesh)))
   return found
+
+
+def sent_bytes(c: Collective, mesh: Mesh) -> float:
+  """The bytes each device sends for ``c`` as a ring (or a direct exchange) moves it over
+  the ``n`` devices of its axes: an all-gather or all-to-all of a result of ``b`` bytes
+  ``(n - 1) / n * b`` (each block but its own), a reduce-scatter ``(n - 1) * b``, an
+  all-reduce ``2 (n - 1) / n * b``, a collective-permute ``b``."""
+  n = math.prod(mesh.shape[a] for a in c.axes if a in mesh.shape) if "?" not in c.axes \
+      else mesh.size
+  if n <= 1:
+    return 0.0
+  factor = {"all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
+            "reduce-scatter": n - 1, "all-reduce": 2 * (n - 1) / n}.get(c.kind, 1.0)
+  return c.bytes * factor
 
 
 def tally(found: list[Collective]) -> dict[str, dict[str, int]]:

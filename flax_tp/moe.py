@@ -48,13 +48,14 @@ With a ``capacity_factor`` each expert takes at most ``expert_capacity`` of the 
 one dispatch sees, chosen by a drop policy (``capacity_swiglu``), and runs them as
 batched matmuls of static shape ``[E_local, capacity, d]``; the drops are counted.
 
-Why not all-to-all: ``jax.lax.ragged_all_to_all`` (the dropless all-to-all) is
-unimplemented on XLA:CPU (jax 0.10.2), and a static ``all_to_all`` that drops nothing
-must size every send buffer for all of a shard's routed tokens, ``D`` times the
-minimum. Per shard and direction, the all-gather moves ``(D - 1) * t * d`` activations
-against the all-to-all minimum of ``(D - 1) / D * t * k * d`` (``t`` tokens per shard,
-uniform routing), so it is ``D / k`` times that minimum. For top-2 on two data
-shards it is the minimum.
+The all-gather above is the default dispatcher (``dispatcher="all_gather"``): what drops
+does not depend on the mesh. Per shard and direction it moves ``(D - 1) * t * d``
+activations against the all-to-all minimum of ``(D - 1) / D * t * k * d`` (``t`` tokens
+per shard, uniform routing): ``D / k`` times that minimum. ``dispatcher="all_to_all"``
+(with a capacity factor) sends each routed choice only to its expert's shard
+(``MoE._all_to_all``): a static ``[D, E_local, C, d]`` buffer per direction, ``C`` per
+expert and source shard, so what drops depends on ``D``. The dropless all-to-all
+(``jax.lax.ragged_all_to_all``) is unimplemented on XLA:CPU (jax 0.10.2) and not used.
 
 The router runs in float32: the logits ``x @ router`` and their softmax, then top-k
 (renormalised when ``normalize_top_k``, as in Mixtral and Qwen3-MoE; without it, as in
@@ -294,6 +295,10 @@ def grouped_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Arra
 
 
 DROP_POLICIES = ("probs", "position")
+# How routed tokens reach the shards holding their experts: every shard's tokens to every
+# shard ("all_gather", mesh-independent drops), or each routed choice only to its
+# expert's shard and back ("all_to_all", with a capacity per source shard).
+DISPATCHERS = ("all_gather", "all_to_all")
 
 # The "probs" policy ranks an expert's choices by routing weight on this grid, then by
 # position. Weights equal in exact arithmetic (the same token after the same prefix in
@@ -416,7 +421,7 @@ class MoE(ParallelModule):
                shared_d_ff: int | None = None, capacity_factor: float | None = None,
                drop_policy: str = "probs", router: Router | None = None,
                selection_bias: bool = False, shared_gated: bool = True,
-               axis_name: str = MODEL_AXIS,
+               dispatcher: str = "all_gather", axis_name: str = MODEL_AXIS,
                expert_axes: str | tuple[str, ...] = MeshAxes.DEFAULT_EXPERT_ROLES,
                dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None,
                expert_init: Any = default_expert_init,
@@ -441,6 +446,13 @@ class MoE(ParallelModule):
     if drop_policy not in DROP_POLICIES:
       raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+    if dispatcher not in DISPATCHERS:
+      raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+    if dispatcher == "all_to_all" and capacity_factor is None:
+      raise ValueError("dispatcher 'all_to_all' needs a capacity_factor: the dropless "
+                       "all-to-all (jax.lax.ragged_all_to_all) is not implemented on XLA:CPU "
+                       "and flax_tp does not use it yet; use 'all_gather' for dropless")
+    self.dispatcher = dispatcher
     if router is None:
       router = Router(top_k, normalize=normalize_top_k)
     if not isinstance(router, Router) or router.top_k != top_k:
@@ -560,7 +572,9 @@ class MoE(ParallelModule):
       weights, experts = weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k)
       valid = None if real is None else jnp.broadcast_to(real, shape[:-1]).reshape(-1)
     routed, context_dropped = None, None
-    if context is not None:
+    if context is not None and self._to_all(dropless):  # padding slots sent nowhere
+      routed = jnp.broadcast_to(valid[:, None], experts.shape)
+    elif context is not None:
       routed, context_dropped = self._context_routing(x, weights, experts, valid, shape[0],
                                                       context, dropless)
     y, dropped = self._routed(tokens.astype(compute_dtype), weights.astype(compute_dtype),
@@ -621,6 +635,10 @@ class MoE(ParallelModule):
       dropped = jax.lax.pmax(dropped, self.axis_name)
     return routed & mine, dropped
 
+  def _to_all(self, dropless: bool) -> bool:
+    """Whether this call dispatches by all-to-all (a dropless call, decoding, gathers)."""
+    return self.dispatcher == "all_to_all" and not dropless
+
   def _routed(self, xc: Array, weights: Array, experts: Array, compute_dtype: Any,
               dropless: bool, routed: Array | None = None) -> tuple[Array, Array]:
     """This device's tokens ``xc [n, d]`` with their routing ``weights, experts [n, k]``
@@ -641,6 +659,8 @@ class MoE(ParallelModule):
     exchange = tuple(a for a in self.expert_axes
                      if a != self.axis_name and is_varying(xc, a))
     summed = tuple(a for a in self.expert_axes if a != self.axis_name and a not in exchange)
+    if exchange and self._to_all(dropless):
+      return self._all_to_all(xc, weights, experts, compute_dtype, exchange, summed, routed)
     if exchange:
       xc = gather_to_parallel(xc, axis=0, axis_name=exchange)
       weights = gather_to_parallel(weights, axis=0, axis_name=exchange)
@@ -674,6 +694,75 @@ class MoE(ParallelModule):
     if exchange:  # each token's partial outputs back to its own device, summed
       y = reduce_scatter(y, axis=0, axis_name=exchange)
     if summed:
+      y = all_reduce(y, "sum", summed)
+    return y, dropped
+
+  def _all_to_all(self, xc: Array, weights: Array, experts: Array, compute_dtype: Any,
+                  exchange: tuple[str, ...], summed: tuple[str, ...],
+                  routed: Array | None) -> tuple[Array, Array]:
+    """``_routed`` by all-to-all: this device's ``n`` tokens' choices sent only to the
+    devices (over ``exchange``) holding their experts, and the outputs sent back.
+
+    Each expert takes at most ``capacity = expert_capacity(n, k, E, F)`` choices from each
+    source device (Megatron's per-rank capacity), chosen by the drop policy among that
+    device's own choices: what drops depends on how the tokens are split (at ``F >= E /
+    k`` nothing does, and the result is the all-gather's). A choice whose expert lives on
+    another device of a non-exchanged expert axis (``"model"`` with whole experts) is
+    that device's to send. The buffers are ``[D, E_local, capacity, d]`` (``D`` the
+    exchange's devices) each way: one ``jax.lax.all_to_all`` out, the experts as batched
+    matmuls over ``[E_local, D * capacity, d]``, one back.
+    """
+    layout = self.expert_layout
+    n, k = experts.shape
+    e_local, d = layout.padded_size, xc.shape[-1]
+    sizes = {a: jax.lax.axis_size(a) for a in self.expert_axes}
+    offsets = jnp.asarray(layout.offsets, jnp.int32)
+    owner = jnp.searchsorted(offsets, experts, side="right") - 1  # [n, k], over expert_axes
+    coords, rest = {}, owner
+    for a in reversed(self.expert_axes):  # the owner's place on each expert axis
+      coords[a], rest = rest % sizes[a], rest // sizes[a]
+    mine = jnp.ones(experts.shape, bool) if routed is None else routed
+    for a in self.expert_axes:  # the other axes' devices send their own experts' choices
+      if a not in exchange:
+        mine = mine & (coords[a] == shard_index(a))
+    dest = 0
+    for a in exchange:
+      dest = dest * sizes[a] + coords[a]
+    devices = math.prod(sizes[a] for a in exchange)
+    queue = jnp.where(mine, dest * e_local + experts - offsets[owner], devices * e_local)
+    capacity = expert_capacity(n, k, self.num_experts, self.capacity_factor)
+    flat, w = queue.reshape(-1), weights.reshape(-1)
+    order, sorted_queue, rank = expert_queues(
+        flat, rank_weight(jax.lax.stop_gradient(w)), jnp.arange(n * k), self.drop_policy,
+        devices * e_local)
+    sent = (sorted_queue < devices * e_local) & (rank < capacity)
+    outside = devices * e_local * capacity
+    slot = jnp.where(sent, sorted_queue * capacity + rank, outside)  # per sorted choice
+    token = order // k
+    send = jnp.zeros((outside, d), xc.dtype).at[slot].add(xc[token], mode="drop")
+    # [D * E_local * C, d]: block i to device i; back as block j from device j
+    received = jax.lax.all_to_all(send, exchange, 0, 0, tiled=True)
+    xe = received.reshape(devices, e_local, capacity, d).transpose(1, 0, 2, 3).reshape(
+        e_local, devices * capacity, d)
+    gate, up, down = (w_.astype(compute_dtype) for w_ in self._local_experts())
+    xe = copy_to_parallel(xe, self.axis_name)
+    p = self.precision
+    hidden = (jax.nn.silu(jnp.einsum("ecd,edi->eci", xe, gate, precision=p))
+              * jnp.einsum("ecd,edi->eci", xe, up, precision=p))
+    ye = jnp.einsum("eci,eid->ecd", hidden, down, precision=p)
+    ye = ye.reshape(e_local, devices, capacity, d).transpose(1, 0, 2, 3).reshape(outside, d)
+    back = jax.lax.all_to_all(ye, exchange, 0, 0, tiled=True)
+    ys = jnp.take(back, slot, axis=0, mode="fill", fill_value=0)
+    scale = jnp.where(sent, w[order], 0).astype(ys.dtype)
+    y = jnp.zeros((n, d), ys.dtype).at[token].add(ys * scale[:, None])
+    dropped = jax.lax.stop_gradient(
+        jnp.sum((sorted_queue < devices * e_local) & ~sent).astype(jnp.float32))
+    if self.axis_name in self.expert_axes:  # each model device its own experts' choices
+      dropped = all_reduce(dropped, "sum", self.axis_name)
+    elif is_varying(dropped, self.axis_name):  # sequence parallel: equal on every device
+      dropped = jax.lax.pmax(dropped, self.axis_name)
+    if summed:
+      dropped = all_reduce(dropped, "sum", summed)
       y = all_reduce(y, "sum", summed)
     return y, dropped
 

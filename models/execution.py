@@ -49,6 +49,11 @@ class Execution:
   # are built (their params' layout); checkpoints move between every choice. A string
   # "data,context" is taken too.
   expert_axes: tuple[str, ...] = flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES
+  # How a mixture of experts' routed tokens reach their experts' shards (flax_tp.MoE's
+  # dispatcher): "all_gather" (every shard's tokens to every shard: drops that do not
+  # depend on the mesh) or "all_to_all" (each routed choice only to its expert's shard,
+  # with expert_capacity_factor's capacity per source shard: drops that depend on D).
+  expert_dispatcher: str = "all_gather"
 
   def __post_init__(self):
     object.__setattr__(self, "expert_axes", flax_tp.MeshAxes.expert_roles(self.expert_axes))
@@ -57,6 +62,9 @@ class Execution:
     if self.context_parallel not in CONTEXT_STRATEGIES:
       raise ValueError(f"context_parallel must be one of {CONTEXT_STRATEGIES}, got "
                        f"{self.context_parallel!r}")
+    if self.expert_dispatcher not in flax_tp.moe.DISPATCHERS:
+      raise ValueError(f"expert_dispatcher must be one of {flax_tp.moe.DISPATCHERS}, got "
+                       f"{self.expert_dispatcher!r}")
 
   def describe(self) -> list[str]:
     """The options in effect, in words (the training CLI's start-up line)."""
@@ -67,7 +75,9 @@ class Execution:
                                   ("ring attention over context",
                                    self.context_parallel == "ring"),
                                   (f"experts over {' x '.join(self.expert_axes)}",
-                                   self.expert_axes != flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES)
+                                   self.expert_axes != flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES),
+                                  ("experts dispatched all-to-all",
+                                   self.expert_dispatcher == "all_to_all")
                                   ) if on]
 
 

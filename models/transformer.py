@@ -189,8 +189,8 @@ class ParallelMLP(nnx.Module):
 
 
 def moe_layer(cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs,
-              expert_axes: tuple[str, ...] = flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES
-              ) -> flax_tp.MoE:
+              expert_axes: tuple[str, ...] = flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES,
+              dispatcher: str = "all_gather") -> flax_tp.MoE:
   """A block's mixture of experts: experts over ``expert_axes`` (``Execution``'s; "data"
   by default), each expert's FFN over "model" unless the experts split over it."""
   router = flax_tp.Router(cfg.experts_per_token, score=cfg.router_score,
@@ -199,18 +199,20 @@ def moe_layer(cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs,
   return flax_tp.MoE(cfg.d_model, cfg.expert_width, cfg.num_experts, cfg.experts_per_token,
                      mesh=mesh, router=router, selection_bias=cfg.router_selection_bias,
                      expert_axes=expert_axes, shared_d_ff=cfg.shared_expert_d_ff,
-                     shared_gated=cfg.shared_expert_gated,
+                     shared_gated=cfg.shared_expert_gated, dispatcher=dispatcher,
                      capacity_factor=cfg.expert_capacity_factor,
                      drop_policy=cfg.expert_drop_policy, dtype=cfg.compute_dtype, rngs=rngs)
 
 
 class ParallelBlock(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs, layer: int = 0,
-               expert_axes: tuple[str, ...] = flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES):
+               expert_axes: tuple[str, ...] = flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES,
+               dispatcher: str = "all_gather"):
     self.ln1 = cfg.norm_layer(rngs) if cfg.pre_norm else None
     self.attn = ParallelAttention(cfg, mesh=mesh, rngs=rngs)
     self.ln2 = cfg.norm_layer(rngs) if cfg.pre_norm else None
-    self.mlp = (moe_layer(cfg, mesh=mesh, rngs=rngs, expert_axes=expert_axes)
+    self.mlp = (moe_layer(cfg, mesh=mesh, rngs=rngs, expert_axes=expert_axes,
+                          dispatcher=dispatcher)
                 if cfg.is_moe_layer(layer)
                 else ParallelMLP(cfg, mesh=mesh, rngs=rngs))
     if cfg.sandwich_norm:  # Gemma 2/3: each branch's output normed before its residual add
@@ -292,7 +294,8 @@ class Transformer(nnx.Module):
     # The experts' layout (Execution.expert_axes) is their params' placement: chosen
     # as they are built, not by apply.
     self.blocks = nnx.List([ParallelBlock(cfg, mesh=mesh, rngs=rngs, layer=i,
-                                          expert_axes=execution.expert_axes)
+                                          expert_axes=execution.expert_axes,
+                                          dispatcher=execution.expert_dispatcher)
                             for i in range(cfg.num_layers)])
     self.ln_f = cfg.norm_layer(rngs)
     if not cfg.tie_embeddings:

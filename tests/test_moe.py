@@ -420,6 +420,156 @@ def test_dispatch_sends_tokens_and_never_an_expert_weight(meshes):
       [(local_tokens, D_MODEL), (all_tokens * TOP_K, 1)])
 
 
+# -- the all-to-all dispatcher ------------------------------------------------------------
+
+A2A_EXPERTS, A2A_TOP_K = 16, 2
+
+
+def _moe_pair(mesh, factor, expert_axes="data", policy="probs"):
+  """The same MoE (top-2 of 16, FFN 10) with each dispatcher."""
+  return [MoE(D_MODEL, D_FF, A2A_EXPERTS, A2A_TOP_K, mesh=mesh, capacity_factor=factor,
+              drop_policy=policy, expert_axes=expert_axes, dispatcher=d, rngs=nnx.Rngs(0))
+          for d in ("all_gather", "all_to_all")]
+
+
+def _value_and_grads(moe, x):
+  def loss(m):
+    y, stats = m(x)
+    return jnp.sum(y * jnp.cos(y)) + 0.1 * load_balancing_loss(stats), (y, stats)
+  (_, (y, stats)), grads = nnx.value_and_grad(loss, has_aux=True)(moe)
+  return y, stats, flat_grads(grads)
+
+
+@pytest.mark.parametrize("mesh_spec,expert_axes", [
+    ("4x2", "data"), ("3x2", "data"),
+    pytest.param("8x1", "data", marks=pytest.mark.slow),
+    pytest.param("2x4", "data,model", marks=pytest.mark.slow)])
+def test_all_to_all_equals_all_gather_where_nothing_can_drop(mesh_spec, expert_axes):
+  """At capacity factor E / k each expert can take every choice of a source shard:
+  nothing drops, and the all-to-all dispatcher's outputs, router statistics and every
+  gradient are the all-gather's."""
+  mesh = flax_tp.make_mesh(mesh_spec)
+  gathered, to_all = _moe_pair(mesh, A2A_EXPERTS / A2A_TOP_K, expert_axes)
+  x = jax.random.normal(jax.random.key(2), (24, D_MODEL))  # 24 tokens: split over 8, 4, 3
+  y1, s1, g1 = _value_and_grads(gathered, x)
+  y2, s2, g2 = _value_and_grads(to_all, x)
+  np.testing.assert_allclose(y2, y1, rtol=1e-6, atol=1e-6)
+  for a, b in zip(s1, s2, strict=True):
+    np.testing.assert_allclose(b, a, rtol=1e-6)
+  assert float(s2.dropped) == 0
+  for key in g1:
+    np.testing.assert_allclose(g2[key], g1[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("mesh_spec,policy,factor", [
+    ("4x2", "probs", 1.0), ("2x4", "position", 0.75),
+    pytest.param("8x1", "probs", 1.25, marks=pytest.mark.slow)])
+def test_all_to_all_drops_per_source_shard(mesh_spec, policy, factor):
+  """With drops, each expert keeps at most ceil(F * t_local * k / E) of each source
+  shard's choices by the policy: the loop over experts on each data shard's own tokens
+  with that capacity (so what drops depends on the data axis, as Megatron's per-rank
+  capacity does), the drops counted, every gradient."""
+  from flax_tp.moe import expert_capacity
+  mesh = flax_tp.make_mesh(mesh_spec)
+  _, moe = _moe_pair(mesh, factor, policy=policy)
+  x = jax.random.normal(jax.random.key(2), (24, D_MODEL))
+  data = mesh.shape["data"]
+  capacity = expert_capacity(24 // data, A2A_TOP_K, A2A_EXPERTS, factor)
+  p = logical_params(moe)
+
+  def reference(p):
+    return jnp.concatenate([loop_moe(p, part, A2A_TOP_K, True, capacity, policy)[0]
+                            for part in jnp.split(x, data)])
+  y_ref = reference(p)
+  y, stats = moe(x)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+  from models.reference import capacity_kept
+  dropped = 0
+  for part in jnp.split(x, data):
+    probs = jax.nn.softmax(part @ p["router"], axis=-1)
+    w, e = jax.lax.top_k(probs, A2A_TOP_K)
+    w = w / w.sum(-1, keepdims=True)
+    dropped += int(jnp.sum(~capacity_kept(e, w, capacity, policy)))
+  assert dropped > 0 and float(stats.dropped) == dropped
+  grads = flat_grads(nnx.grad(lambda m: jnp.sum(m(x)[0] * jnp.cos(m(x)[0])))(moe))
+  ref = jax.grad(lambda p: jnp.sum(reference(p) * jnp.cos(reference(p))))(p)
+  for key in ("router", "gate", "up", "down"):
+    np.testing.assert_allclose(grads[key], ref[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("mesh_spec", ["8x1", "4x2"])
+def test_all_to_all_sends_the_routed_copies_not_every_token(mesh_spec):
+  """Top-2 of 16 experts at factor 1.25, the compiled forward and backward (the input's
+  gradient too, as a step needs it): the all-to-all dispatcher exchanges by four
+  all-to-alls (the tokens out and back, and their cotangents), no token is all-gathered
+  or reduce-scattered over "data", and each device sends at most half the all-gather
+  dispatcher's bytes over "data" on 8x1 (counted as a ring sends them:
+  flax_tp.hlo.sent_bytes); on 4x2, at top-2 over 4 shards, F * k / D of them."""
+  from flax_tp.hlo import collectives, sent_bytes
+  from flax_tp.moe import expert_capacity
+  mesh = flax_tp.make_mesh(mesh_spec)
+  x = jax.random.normal(jax.random.key(2), (64, D_MODEL))
+  found = {}
+  for moe in _moe_pair(mesh, 1.25):
+    step = jax.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0] ** 2), argnums=(0, 1)))
+    found[moe.dispatcher] = collectives(step.lower(moe, x).compile().as_text(), mesh)
+  kinds = [c.kind for c in found["all_to_all"] if c.axes == ("data",)
+           and c.kind != "all-reduce"]  # (the replicated router's gradient: both)
+  assert sorted(kinds) == ["all-to-all"] * 4, kinds
+  dispatch = {d: sum(sent_bytes(c, mesh) for c in f
+                     if c.axes == ("data",) and c.kind != "all-reduce")
+              for d, f in found.items()}
+  # Each all-to-all: [D * E_local * C, d] float32, all but this device's block sent.
+  data = mesh.shape["data"]
+  e_local = -(-A2A_EXPERTS // data)
+  capacity = expert_capacity(64 // data, A2A_TOP_K, A2A_EXPERTS, 1.25)
+  assert dispatch["all_to_all"] == 4 * (data - 1) * e_local * capacity * D_MODEL * 4
+  # Against the all-gather's (D - 1) * t * d per direction the all-to-all sends about
+  # F * k / D of it (at most 0.31 on 8x1; 0.625 on 4x2, 0.75 with C rounded up): half
+  # on 8x1, and never more than F * k / D with the rounding on 4x2.
+  bound = 0.5 if data == 8 else 1.25 * A2A_TOP_K / data * (
+      A2A_EXPERTS * capacity / (1.25 * (64 // data) * A2A_TOP_K))
+  assert dispatch["all_to_all"] <= bound * dispatch["all_gather"], dispatch
+
+
+@pytest.mark.parametrize("mesh_spec,options", [
+    ("4x2", {"sequence_parallel": True, "scan_layers": True}),
+    pytest.param("2x2x2", {"expert_axes": "data,context"}, marks=pytest.mark.slow),
+    pytest.param("2x4", {"expert_axes": "data,model", "fsdp": True},
+                 marks=pytest.mark.slow)])
+def test_a_transformer_step_is_the_same_with_either_dispatcher(meshes, mesh_spec, options):
+  """Execution(expert_dispatcher="all_to_all") at capacity factor E / k (nothing can
+  drop): the step's loss, router figures and every gradient are the all-gather's."""
+  from models.config import TransformerConfig
+  from models.execution import Execution
+  from models.transformer import Transformer
+  from train.step import Trainer, make_optimizer
+  mesh = flax_tp.make_mesh(mesh_spec)
+  cfg = TransformerConfig.preset("moe-tiny", expert_capacity_factor=3.0)
+  tokens = jax.random.randint(jax.random.key(1), (4, cfg.max_seq_len + 1), 0, cfg.vocab_size)
+  results = []
+  for dispatcher in ("all_gather", "all_to_all"):
+    model = Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0),
+                        execution=Execution(expert_dispatcher=dispatcher, **options))
+    trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
+    placed = jax.device_put(tokens, trainer.batch_sharding)
+    results.append(jax.jit(trainer.loss_and_grads)(trainer.params, placed))
+  (loss1, grads1), (loss2, grads2) = results
+  np.testing.assert_allclose(loss2, loss1, rtol=1e-6)
+  g1, g2 = flat_grads(grads1), flat_grads(grads2)
+  for key in g1:
+    np.testing.assert_allclose(g2[key], g1[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_the_all_to_all_dispatcher_needs_a_capacity():
+  with pytest.raises(ValueError, match="dispatcher 'all_to_all' needs a capacity_factor"):
+    MoE(D_MODEL, D_FF, 6, 2, mesh=flax_tp.make_mesh("2x1"), dispatcher="all_to_all",
+        rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="dispatcher must be one of"):
+    MoE(D_MODEL, D_FF, 6, 2, mesh=flax_tp.make_mesh("2x1"), dispatcher="ring",
+        rngs=nnx.Rngs(0))
+
+
 # -- the transformer with MoE layers ----------------------------------------------------
 
 MOE_CFG = dict(num_experts=6, experts_per_token=2, expert_d_ff=10, shared_expert_d_ff=7,

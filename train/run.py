@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
                       "any of 'context' (each context shard's tokens reach the experts on "
                       "the others) and 'model' (each expert whole on one device, its FFN not "
                       "split); same results")
+  p.add_argument("--expert-dispatcher", default="all-gather",
+                 choices=["all-gather", "all-to-all"],
+                 help="mixture of experts: how routed tokens reach their experts' shards: "
+                      "every shard's tokens to every shard (drops that do not depend on the "
+                      "mesh), or each routed choice only to its expert's shard and back "
+                      "(needs --expert-capacity-factor, taken per source shard: drops depend "
+                      "on the data axis)")
   p.add_argument("--fsdp", action="store_true",
                  help="also split params, gradients and optimizer state over the data axis "
                       "(ZeRO-3/FSDP): per-device memory / D; same results")
@@ -217,6 +224,7 @@ def check_args(args: argparse.Namespace) -> None:
     MeshAxes.expert_roles(args.expert_axes)
   except ValueError as err:
     raise UsageError(f"--expert-axes: {err}") from None
+  args.expert_dispatcher = args.expert_dispatcher.replace("-", "_")  # Execution's spelling
   if args.expert_drop_policy != "probs" and args.expert_capacity_factor is None:
     raise UsageError("--expert-drop-policy needs --expert-capacity-factor (without one "
                      "nothing is dropped)")

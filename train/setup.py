@@ -84,6 +84,15 @@ class SetUp:
         and not self.cfg.has_experts):  # never a layout that lays out nothing
       raise UsageError(f"--expert-axes {','.join(job.execution.expert_axes)} is for a model "
                        "with experts; this one has none")
+    if job.execution.expert_dispatcher != "all_gather" and not self.cfg.has_experts:
+      raise UsageError("--expert-dispatcher all-to-all is for a model with experts; this one "
+                       "has none")
+    if (job.execution.expert_dispatcher == "all_to_all"
+        and self.cfg.expert_capacity_factor is None):
+      raise UsageError("--expert-dispatcher all-to-all needs --expert-capacity-factor: its "
+                       "buffers are sized by a capacity (the dropless all-to-all, "
+                       "jax.lax.ragged_all_to_all, is not implemented on XLA:CPU and flax_tp "
+                       "does not use it yet)")
     if job.loss.router_z_loss and not self.cfg.has_experts:  # never a weight that does nothing
       raise UsageError(f"--router-z-loss {job.loss.router_z_loss} is for a model with experts "
                        "(it weighs their router's z-loss); this one has none")
@@ -182,7 +191,8 @@ class SetUp:
       # A step's dispatch sees the global batch, each row's S + 1 tokens.
       console.print(experts_line(self.cfg, flax_tp.MeshAxes.of(mesh),
                                  self.execution.expert_axes,
-                                 tokens=job.schedule.batch_size * (job.model.seq_len + 1)))
+                                 tokens=job.schedule.batch_size * (job.model.seq_len + 1),
+                                 dispatcher=self.execution.expert_dispatcher))
     if self.lora is not None:
       console.print(lora_line(self.lora, self.trainer, self.params), markup=False)
     console.print(f"data: {self.corpus.describe()} | unigram entropy "
@@ -229,10 +239,10 @@ def lora_line(lora, trainer, params) -> str:
 
 
 def experts_line(cfg, axes: flax_tp.MeshAxes, expert_roles: tuple[str, ...],
-                 tokens: int) -> str:
+                 tokens: int, dispatcher: str = "all_gather") -> str:
   """The start-up line saying how a mixture of experts is laid out on the mesh (its
-  experts over ``axes.expert_axes(expert_roles)``), and what its capacity is for a
-  dispatch of ``tokens`` tokens."""
+  experts over ``axes.expert_axes(expert_roles)``), how its tokens are dispatched, and
+  what its capacity is for a step of ``tokens`` tokens."""
   from flax_tp.moe import capacity_is_capped, expert_capacity
   over = axes.expert_axes(expert_roles)
   experts = flax_tp.ShardLayout(cfg.num_experts, math.prod(axes.size(a) for a in over))
@@ -242,8 +252,13 @@ def experts_line(cfg, axes: flax_tp.MeshAxes, expert_roles: tuple[str, ...],
   per_shard = ", ".join(map(str, experts.sizes))
   padded = "" if experts.is_even else f" (padded to {experts.padded_size})"
   exchanged = [a for a in over if a in axes.BATCH_ROLES]
-  dispatch = [f"tokens all-gathered over {' x '.join(exchanged)}, outputs reduce-scattered "
-              "back"] if exchanged else []
+  to_all = dispatcher == "all_to_all" and bool(exchanged)
+  if to_all:
+    dispatch = [f"each routed choice sent all-to-all over {' x '.join(exchanged)} to its "
+                "expert's shard, its output back"]
+  else:
+    dispatch = [f"tokens all-gathered over {' x '.join(exchanged)}, outputs "
+                "reduce-scattered back"] if exchanged else []
   if flax_tp.MODEL_AXIS in over:
     dispatch.append("each model device runs its own experts, outputs summed over model")
   dispatch = "; ".join(dispatch) or "every expert on every device: no dispatch"
@@ -263,6 +278,14 @@ def experts_line(cfg, axes: flax_tp.MeshAxes, expert_roles: tuple[str, ...],
   factor, k, e = cfg.expert_capacity_factor, cfg.experts_per_token, cfg.num_experts
   if factor is None:
     capacity = "dropless"
+  elif to_all:  # Megatron's per-rank capacity: each source shard's own choices
+    sources = math.prod(axes.size(a) for a in exchanged)
+    local = tokens // sources
+    per_expert = expert_capacity(local, k, e, factor)
+    capacity = (f"capacity factor {factor:g} per source shard ({per_expert} of each shard's "
+                f"{local} tokens per expert: what drops depends on the "
+                f"{' x '.join(exchanged)} axis), full experts keep the "
+                + ("largest weights" if cfg.expert_drop_policy == "probs" else "earliest tokens"))
   elif capacity_is_capped(tokens, k, e, factor):  # never a buffer past every token
     capacity = (f"capacity factor {factor:g}, capped at all {tokens} tokens of a step (an "
                 "expert can take no more): nothing dropped")
