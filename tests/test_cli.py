@@ -234,6 +234,10 @@ def test_no_blank_line_before_an_error_on_a_cold_cache(tmp_path, monkeypatch, ca
     (["--lora-rank", "4", "--lora-targets", " , "], "--lora-targets ' , ' names no layer"),
     (["--router-z-loss", "0.1"], "--router-z-loss 0.1 is for a model with experts"),
     (["--router-bias-rate", "-0.1"], "--router-bias-rate must be a number >= 0, got -0.1"),
+    (["--expert-dispatcher", "all-to-all"], "--expert-dispatcher all-to-all is for a model "
+     "with experts; this one has none"),
+    (["--preset", "moe-tiny", "--expert-dispatcher", "all-to-all"], "--expert-dispatcher "
+     "all-to-all needs --expert-capacity-factor"),
     # Mixtral's softmax router has no selection bias to move
     (["--preset", "moe-tiny", "--router-bias-rate", "0.001"], "--router-bias-rate 0.001 "
      "moves a router's selection bias (DeepSeek-V3, GLM-4.5); this model's routers have none"),

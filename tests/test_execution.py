@@ -17,7 +17,7 @@ from models.transformer import Transformer
 def test_the_architecture_holds_no_execution_field():
   names = {f.name for f in dataclasses.fields(Execution)}
   assert names == {"sequence_parallel", "remat", "scan_layers", "fsdp", "context_parallel",
-                   "expert_axes"}
+                   "expert_axes", "expert_dispatcher"}
   assert not names & {f.name for f in dataclasses.fields(TransformerConfig)}
   with pytest.raises(ValueError, match="remat must be one of .* got 'sometimes'"):
     Execution(remat="sometimes")
@@ -29,6 +29,10 @@ def test_the_architecture_holds_no_execution_field():
   assert Execution(expert_axes="data,model").describe() == ["experts over data x model"]
   with pytest.raises(ValueError, match="bad expert axes 'model': no 'data'"):
     Execution(expert_axes="model")
+  assert Execution(expert_dispatcher="all_to_all").describe() == [
+      "experts dispatched all-to-all"]
+  with pytest.raises(ValueError, match="expert_dispatcher must be one of"):
+    Execution(expert_dispatcher="all-to-all")  # (the CLI's spelling; the record's is _)
 
 
 def test_apply_in_its_order_and_a_view_shares_the_params():
