@@ -1,11 +1,14 @@
 """Mixture of experts: what the dispatch sends against its minimum, and what each device
-holds of the experts against ``1 / (D * M)`` of them (BENCHMARKS.md §14).
+holds of the experts against ``1 / (D * M)`` of them (BENCHMARKS.md §13), for each
+dispatcher (all-gather; all-to-all with a capacity factor) and expert layout (over
+"data"; over data x model, each expert whole).
 
 For one ``flax_tp.MoE`` layer's compiled forward and backward on each mesh:
 - *dispatch bytes*: what each device sends over ``"data"`` for the tokens, their routing
   and their outputs (all-gather in, reduce-scatter back, and the mirror in backward),
-  counted as a ring sends it (an all-gather or reduce-scatter of a result of ``n`` bytes
-  over ``D`` devices: ``(D - 1) / D * n`` or ``(D - 1) * n``). The minimum is each routed
+  counted as a ring sends it (``flax_tp.hlo.sent_bytes``: an all-gather, all-to-all or
+  reduce-scatter of a result of ``n`` bytes over ``D`` devices: ``(D - 1) / D * n``,
+  the same, or ``(D - 1) * n``). The minimum is each routed
   token's ``d_model`` activations to and from its expert's shard, forward and backward:
   ``4 * t * k * (D - 1) / D * d`` values for ``t`` tokens per shard, uniform routing;
 - *expert bytes per device*: params of the experts on device 0, against the experts'
@@ -28,32 +31,41 @@ SHAPES = {  # name: (d_model, expert FFN width, experts, top-k)
 }
 
 
-def measure(shape: str, spec: str, tokens_per_shard: int) -> dict[str, Any]:
+# The dispatchers and layouts measured: (name, MoE options).
+SETTINGS = {
+    "all_gather": dict(),
+    "all_to_all@1.25": dict(dispatcher="all_to_all", capacity_factor=1.25),
+    "all_gather, data x model": dict(expert_axes=("data", "model")),
+    "all_to_all@1.25, data x model": dict(dispatcher="all_to_all", capacity_factor=1.25,
+                                          expert_axes=("data", "model")),
+}
+
+
+def measure(shape: str, spec: str, tokens_per_shard: int,
+            setting: str = "all_gather") -> dict[str, Any]:
   import jax
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
 
   import flax_tp
-  from flax_tp.hlo import collectives
+  from flax_tp.hlo import collectives, sent_bytes
   d, width, experts, k = SHAPES[shape]
   mesh = flax_tp.make_mesh(spec)
   data, model = mesh.shape["data"], mesh.shape["model"]
-  moe = flax_tp.MoE(d, width, experts, k, mesh=mesh, rngs=nnx.Rngs(0))
+  moe = flax_tp.MoE(d, width, experts, k, mesh=mesh, rngs=nnx.Rngs(0), **SETTINGS[setting])
   x = jax.random.normal(jax.random.key(0), (data * tokens_per_shard, d))
   # The gradient of the input too, as a step needs it (x is an activation there).
   step = jax.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0] ** 2), argnums=(0, 1)))
   found = collectives(step.lower(moe, x).compile().as_text(), mesh)
-  sent = 0
-  for c in found:
-    if c.axes != ("data",) or c.kind not in ("all-gather", "reduce-scatter"):
-      continue
-    sent += c.bytes * (data - 1) / data if c.kind == "all-gather" else c.bytes * (data - 1)
+  sent = sum(sent_bytes(c, mesh) for c in found if c.axes == ("data",)
+             and c.kind in ("all-gather", "reduce-scatter", "all-to-all"))
   minimum = 4 * tokens_per_shard * k * (data - 1) / data * d * 4
   expert_bytes = sum(getattr(moe, n)[...].addressable_shards[0].data.nbytes
                      for n in ("gate", "up", "down"))
   logical = 3 * experts * d * width * 4
-  return dict(shape=shape, mesh=spec, d_model=d, expert_width=width, experts=experts, top_k=k,
+  return dict(shape=shape, mesh=spec, setting=setting, d_model=d, expert_width=width,
+              experts=experts, top_k=k,
               tokens_per_shard=tokens_per_shard, dispatch_bytes=int(sent),
               dispatch_minimum=int(minimum),
               dispatch_ratio=(sent / minimum) if minimum else None,
@@ -88,10 +100,10 @@ def step_times(shape: str, spec: str, tokens_per_shard: int, repeats: int) -> di
                                        (mesh.shape["data"] * tokens_per_shard, d)),
                      NamedSharding(mesh, P("data")))
   mine = jax.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0] ** 2), argnums=(0, 1)))
-  capped = {f"flax_tp_capacity_{factor:g}": flax_tp.MoE(d, width, experts, k, mesh=mesh,
-                                                        capacity_factor=factor,
-                                                        rngs=nnx.Rngs(0))
-            for factor in (experts / k, 1.25)}
+  capped = {f"flax_tp_{kind}capacity_{factor:g}": flax_tp.MoE(
+      d, width, experts, k, mesh=mesh, capacity_factor=factor, rngs=nnx.Rngs(0),
+      dispatcher="all_to_all" if kind else "all_gather")
+            for kind in ("", "all_to_all_") for factor in (experts / k, 1.25)}
   logical = flax_tp.unshard(moe)
   specs = {"router": P(), "gate": P("data", None, "model"), "up": P("data", None, "model"),
            "down": P("data", "model", None)}
@@ -121,8 +133,9 @@ def step_times(shape: str, spec: str, tokens_per_shard: int, repeats: int) -> di
            for name, f in (("gspmd_einsum", einsum_moe), ("gspmd_loop", loop_moe))}
   ours = mine(moe, x)[1]
   exact = {name: (lambda peer=peer: peer(params, x)[1]) for name, peer in peers.items()}
-  full = f"flax_tp_capacity_{experts / k:g}"
-  exact[full] = lambda: mine(capped[full], x)[1]
+  for full in (f"flax_tp_capacity_{experts / k:g}",
+               f"flax_tp_all_to_all_capacity_{experts / k:g}"):
+    exact[full] = lambda full=full: mine(capped[full], x)[1]
   for name, theirs in exact.items():  # the same function, or the timing compares nothing
     theirs = theirs()
     assert float(jnp.max(jnp.abs(ours - theirs))) <= 1e-4 * float(jnp.max(jnp.abs(theirs))), name
@@ -136,9 +149,30 @@ def step_times(shape: str, spec: str, tokens_per_shard: int, repeats: int) -> di
               step_s=medians, ratios={n: medians["flax_tp"] / v for n, v in medians.items()})
 
 
+def analytic(d: int, experts: int, k: int, data: int, tokens_per_shard: int,
+             factor: float) -> dict[str, Any]:
+  """One MoE layer's dispatch bytes per device (forward and backward, float32 tokens, the
+  routing left out), by the formulas the measured rows check at 8 devices: the
+  all-gather's ``2 (D - 1) t d`` gathered and ``2 (D - 1) t d`` scattered values (outputs
+  forward, cotangents backward), the all-to-all's four ``(D - 1) / D * E * C * d`` buffers
+  (``C`` per expert and source shard), and the minimum ``4 t k (D - 1) / D * d``."""
+  import math
+  t = tokens_per_shard
+  capacity = max(1, min(t, math.ceil(factor * t * k / experts)))
+  e_local = -(-experts // data)
+  all_gather = 4 * (data - 1) * t * d * 4
+  all_to_all = 4 * (data - 1) / data * data * e_local * capacity * d * 4
+  minimum = 4 * t * k * (data - 1) / data * d * 4
+  return dict(d_model=d, experts=experts, top_k=k, data=data, tokens_per_shard=t,
+              capacity_factor=factor, capacity=capacity, all_gather_bytes=all_gather,
+              all_to_all_bytes=all_to_all, minimum_bytes=minimum,
+              all_gather_ratio=all_gather / minimum, all_to_all_ratio=all_to_all / minimum)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__.split("\n")[0])
-  p.add_argument("--meshes", default="2x4,4x2,8x1", help="comma-separated meshes: DxM, DxCxM or named (data=2,model=4)")
+  p.add_argument("--meshes", default="2x4,4x2,8x1",
+                 help="comma-separated meshes: DxM, DxCxM or named (data=2,model=4)")
   p.add_argument("--tokens", type=int, default=512, help="tokens per data shard")
   p.add_argument("--time-tokens", type=int, default=128,
                  help="tokens per data shard in the timed section (0: skip it)")
@@ -153,15 +187,23 @@ def main(argv=None) -> int:
   meshes_or_exit(meshes, "bench.moe", context=False)
   out_path_or_exit(args.out, "bench.moe")
   rows = []
-  for shape in SHAPES:
-    for spec in meshes:
-      row = measure(shape, spec, args.tokens)
-      rows.append(row)
-      print(f"{shape} {spec}: dispatch {row['dispatch_bytes']:,} B / minimum "
-            f"{row['dispatch_minimum']:,} B = {row['dispatch_ratio']:.2f} | experts per device "
-            f"{row['expert_bytes_per_device']:,} B / (1 / (D*M)) {row['expert_share']:,} B = "
-            f"{row['expert_ratio']:.3f} | an expert weight gathered: {row['weights_gathered']}",
-            flush=True)
+  for shape, spec, setting in ((sh, sp, se) for sh in SHAPES for sp in meshes
+                               for se in SETTINGS):
+    row = measure(shape, spec, args.tokens, setting)
+    rows.append(row)
+    print(f"{shape} {spec} {setting}: dispatch {row['dispatch_bytes']:,} B / minimum "
+          f"{row['dispatch_minimum']:,} B = {row['dispatch_ratio']:.2f} | experts per device "
+          f"{row['expert_bytes_per_device']:,} B / (1 / (D*M)) {row['expert_share']:,} B = "
+          f"{row['expert_ratio']:.3f} | an expert weight gathered: {row['weights_gathered']}",
+          flush=True)
+  # DeepSeek-V3's MoE layer (d_model 7168, top-8 of 256) at 64 data shards of 4096 tokens,
+  # from the formulas the rows above check (no 64-device mesh here)
+  deepseek = analytic(7168, 256, 8, 64, 4096, 1.25)
+  gib = lambda key: deepseek[key] / 2**30
+  print(f"deepseek-v3 layer, 64 data shards: all-gather {gib('all_gather_bytes'):.2f} GiB "
+        f"({deepseek['all_gather_ratio']:.2f} x minimum), all-to-all at 1.25 "
+        f"{gib('all_to_all_bytes'):.2f} GiB ({deepseek['all_to_all_ratio']:.2f} x), minimum "
+        f"{gib('minimum_bytes'):.2f} GiB", flush=True)
   times = []
   # (GSPMD refuses the tiny shape's FFN of 90 over 4 or 2: its peers run the even one only)
   for shape in ("mixtral/8",) if args.time_tokens else ():
@@ -175,7 +217,8 @@ def main(argv=None) -> int:
   if args.out:
     with open(args.out, "w") as f:
       json.dump({"jax": jax.__version__, "command": "python -m bench.moe " + " ".join(
-          argv if argv is not None else sys.argv[1:]), "rows": rows, "step_times": times},
+          argv if argv is not None else sys.argv[1:]), "rows": rows, "step_times": times,
+                 "deepseek_v3_layer": deepseek},
                 f, indent=1)
   return 0
 

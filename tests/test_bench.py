@@ -293,12 +293,19 @@ def test_moe_bench_smoke(tmp_path):
   assert moe_main(["--meshes", "2x4", "--tokens", "64", "--time-tokens", "8", "--repeats", "1",
                    "--out", str(out)]) == 0
   results = json.loads(out.read_text())
-  mixtral = next(r for r in results["rows"] if r["shape"] == "mixtral/8")
-  assert round(mixtral["dispatch_ratio"], 2) == 1.0 and mixtral["expert_ratio"] == 1.0
+  mixtral = {r["setting"]: r for r in results["rows"] if r["shape"] == "mixtral/8"}
+  assert round(mixtral["all_gather"]["dispatch_ratio"], 2) == 1.0
+  assert mixtral["all_gather"]["expert_ratio"] == 1.0
+  # the all-to-all's buffers: F = 1.25 times the minimum (64 tokens: no rounding)
+  assert mixtral["all_to_all@1.25"]["dispatch_ratio"] == 1.25
   assert not any(r["weights_gathered"] for r in results["rows"])
+  deepseek = results["deepseek_v3_layer"]
+  assert deepseek["all_gather_ratio"] == 64 / 8 and deepseek["all_to_all_ratio"] == 1.25
   (timed,) = results["step_times"]
   assert set(timed["step_s"]) == {"flax_tp", "flax_tp_capacity_4", "flax_tp_capacity_1.25",
-                                  "gspmd_einsum", "gspmd_loop"}
+                                  "flax_tp_all_to_all_capacity_4",
+                                  "flax_tp_all_to_all_capacity_1.25", "gspmd_einsum",
+                                  "gspmd_loop"}
   assert all(v > 0 for v in timed["step_s"].values())
 
 
