@@ -282,10 +282,15 @@ def experts_line(cfg, axes: flax_tp.MeshAxes, expert_roles: tuple[str, ...],
     sources = math.prod(axes.size(a) for a in exchanged)
     local = tokens // sources
     per_expert = expert_capacity(local, k, e, factor)
-    capacity = (f"capacity factor {factor:g} per source shard ({per_expert} of each shard's "
-                f"{local} tokens per expert: what drops depends on the "
-                f"{' x '.join(exchanged)} axis), full experts keep the "
-                + ("largest weights" if cfg.expert_drop_policy == "probs" else "earliest tokens"))
+    if per_expert >= local:  # an expert can take every token of a shard: no drops
+      capacity = (f"capacity factor {factor:g} per source shard, room for each shard's "
+                  f"{local} tokens: nothing dropped")
+    else:
+      capacity = (f"capacity factor {factor:g} per source shard ({per_expert} of each "
+                  f"shard's {local} tokens per expert: what drops depends on the "
+                  f"{' x '.join(exchanged)} axis), full experts keep the "
+                  + ("largest weights" if cfg.expert_drop_policy == "probs"
+                     else "earliest tokens"))
   elif capacity_is_capped(tokens, k, e, factor):  # never a buffer past every token
     capacity = (f"capacity factor {factor:g}, capped at all {tokens} tokens of a step (an "
                 "expert can take no more): nothing dropped")
