@@ -399,7 +399,14 @@ class MoE(ParallelModule):
   ``"model"`` on the FFN width unless the experts are (see the module docstring); with
   ``shared_d_ff``, a
   dense ``shared_gate``/``shared_up`` (column) and ``shared_down`` (row) MLP of that
-  width, and ``shared_expert_gate [d, 1]`` replicated.
+  width, and ``shared_expert_gate [d, 1]`` replicated (``shared_gated=False``: none, the
+  shared expert added as is); with ``selection_bias``, ``selection_bias [E]`` float32
+  replicated (a ``SelectionBias``: it picks, never weighs, and no optimizer trains it).
+
+  ``router`` (a ``Router``; default the softmax top-k, renormalised if
+  ``normalize_top_k``) declares how the experts are picked and weighted.
+  ``dispatcher``: ``"all_gather"`` (below) or ``"all_to_all"`` (with a capacity factor:
+  each routed choice sent only to its expert's shard, ``_all_to_all``).
 
   ``capacity_factor`` (None: dropless): each expert takes at most
   ``expert_capacity(t, top_k, E, capacity_factor)`` of the choices of the ``t`` tokens

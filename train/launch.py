@@ -42,12 +42,21 @@ def free_port() -> int:
 ERROR_PREFIX = "train/run.py: error: "
 
 
-def _pump(stream, out, prefix: str, held: list[str] | None = None) -> None:
+# What run.py says when a signal asks it to stop (train/signals.py).
+STOP_NOTICE = " received: stopping after the current step"
+
+
+def _pump(stream, out, prefix: str, held: list[str] | None = None,
+          stopping: threading.Event | None = None) -> None:
   """Copies a child's lines to ``out``; with ``held``, its error lines go there instead
-  (the launcher reports one line for the whole run, not one per process)."""
+  (the launcher reports one line for the whole run, not one per process). Once
+  ``stopping`` is set (the launcher stops the others after one failed), their notices
+  that they are stopping are dropped: the failure's one line says why."""
   for line in iter(stream.readline, ""):
     if held is not None and line.startswith(ERROR_PREFIX):
       held.append(line.rstrip("\n"))
+      continue
+    if stopping is not None and stopping.is_set() and STOP_NOTICE in line:
       continue
     out.write(prefix + line)
     out.flush()
@@ -73,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
   held: list[list[str]] = []
   interrupted: list[int] = []
   stopped: set[int] = set()  # children the launcher itself signalled
+  stopping = threading.Event()  # set when the launcher stops the others after a failure
 
   def forward(signum, _frame):
     # Each signal the launcher gets goes to every child once: the first makes
@@ -101,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     threads.append(threading.Thread(target=_pump, args=(
         child.stdout, sys.stdout if pid == 0 else open(os.devnull, "w"), prefix), daemon=True))
     threads.append(threading.Thread(target=_pump, args=(child.stderr, sys.stderr, prefix,
-                                                        held[pid]), daemon=True))
+                                                        held[pid], stopping), daemon=True))
     threads[-2].start()
     threads[-1].start()
     children.append(child)
@@ -114,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
       failed_first = failed[0]
       frozen = [i for i, c in enumerate(children) if c.poll() is None and _is_stopped(c.pid)]
       stopped.update(i for i, c in enumerate(children) if c.poll() is None)
+      stopping.set()  # (before the SIGTERMs: their notices are not the run's news)
       _stop(children, args.grace)
       break
     time.sleep(0.2)
