@@ -353,6 +353,15 @@ def expert_queues(flat: Array, ranked: Array, position: Array, policy: str,
   return order, sorted_queues, rank
 
 
+def batched_swiglu(xe: Array, gate: Array, up: Array, down: Array,
+                   precision: Any = None) -> Array:
+  """Each local expert on its own rows: ``xe [E_local, c, d]`` -> ``[E_local, c, d]``,
+  ``down(silu(gate x) * up x)`` as three batched matmuls of static shape."""
+  hidden = (jax.nn.silu(jnp.einsum("ecd,edi->eci", xe, gate, precision=precision))
+            * jnp.einsum("ecd,edi->eci", xe, up, precision=precision))
+  return jnp.einsum("eci,eid->ecd", hidden, down, precision=precision)
+
+
 def capacity_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Array,
                     down: Array, capacity: int, policy: str,
                     precision: Any = None) -> tuple[Array, Array]:
@@ -379,10 +388,8 @@ def capacity_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Arr
   dest = jnp.where(kept, sorted_slots * capacity + rank, outside)
   token = order // k
   buffer = jnp.zeros((outside, d), x.dtype).at[dest].add(x[token], mode="drop")
-  xe = buffer.reshape(num_local, capacity, d)
-  hidden = (jax.nn.silu(jnp.einsum("ecd,edi->eci", xe, gate, precision=precision))
-            * jnp.einsum("ecd,edi->eci", xe, up, precision=precision))
-  ye = jnp.einsum("eci,eid->ecd", hidden, down, precision=precision).reshape(outside, d)
+  ye = batched_swiglu(buffer.reshape(num_local, capacity, d), gate, up, down,
+                      precision).reshape(outside, d)
   ys = jnp.take(ye, dest, axis=0, mode="fill", fill_value=0)
   scale = jnp.where(kept, w[order], 0).astype(ys.dtype)
   y = jnp.zeros((n, d), ys.dtype).at[token].add(ys * scale[:, None])
@@ -752,11 +759,7 @@ class MoE(ParallelModule):
     xe = received.reshape(devices, e_local, capacity, d).transpose(1, 0, 2, 3).reshape(
         e_local, devices * capacity, d)
     gate, up, down = (w_.astype(compute_dtype) for w_ in self._local_experts())
-    xe = copy_to_parallel(xe, self.axis_name)
-    p = self.precision
-    hidden = (jax.nn.silu(jnp.einsum("ecd,edi->eci", xe, gate, precision=p))
-              * jnp.einsum("ecd,edi->eci", xe, up, precision=p))
-    ye = jnp.einsum("eci,eid->ecd", hidden, down, precision=p)
+    ye = batched_swiglu(copy_to_parallel(xe, self.axis_name), gate, up, down, self.precision)
     ye = ye.reshape(e_local, devices, capacity, d).transpose(1, 0, 2, 3).reshape(outside, d)
     back = jax.lax.all_to_all(ye, exchange, 0, 0, tiled=True)
     ys = jnp.take(back, slot, axis=0, mode="fill", fill_value=0)
