@@ -111,26 +111,23 @@ def balance_selection_biases(params: nnx.State, loads: jax.Array,
   step's global counts in layer order (``Transformer(..., return_layer_loads=True)``).
   Returns the params with the biases moved, and the biases' mean spread (max - min per
   layer) after the move, which the metrics log."""
-  flat = sorted(nnx.to_flat_state(params), key=lambda item: item[0])
-  row, spreads, out = 0, [], []
-  for path, var in flat:
-    if not isinstance(var, flax_tp.SelectionBias):
-      out.append((path, var))
-      continue
-    bias = var[...]
+  flat = nnx.to_flat_state(params)
+  in_layer_order = sorted(path for path, var in flat if isinstance(var, flax_tp.SelectionBias))
+  vars_at = dict(flat)
+  row, spreads, moved = 0, [], {}
+  for path in in_layer_order:
+    bias = vars_at[path][...]
     layers = bias.reshape(-1, bias.shape[-1]).shape[0]  # a stacked run's [layers, E]
     load = loads[row:row + layers].reshape(bias.shape)
     row += layers
-    nudge = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-    moved = bias + nudge.astype(bias.dtype)
-    spreads.append(jnp.max(moved, axis=-1) - jnp.min(moved, axis=-1))
-    out.append((path, var.replace(moved)))
+    nudged = bias + (rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+                     ).astype(bias.dtype)
+    spreads.append(jnp.reshape(jnp.max(nudged, axis=-1) - jnp.min(nudged, axis=-1), (-1,)))
+    moved[path] = vars_at[path].replace(nudged)
   if row != loads.shape[0]:
     raise ValueError(f"{loads.shape[0]} MoE layers' loads for {row} selection biases")
-  order = {path: i for i, (path, _) in enumerate(nnx.to_flat_state(params))}
-  out.sort(key=lambda item: order[item[0]])
-  return nnx.from_flat_state(out), jnp.mean(jnp.concatenate(
-      [jnp.reshape(s, (-1,)) for s in spreads]))
+  return (nnx.from_flat_state([(path, moved.get(path, var)) for path, var in flat]),
+          jnp.mean(jnp.concatenate(spreads)))
 
 
 class Trainer:
