@@ -48,8 +48,10 @@ class AttentionSpec:
   @classmethod
   def of(cls, cfg: TransformerConfig, layer) -> AttentionSpec:
     """Block ``layer``'s attention (a Python int, or traced inside scanned layers)."""
-    return cls(layer_kinds.window_of(cfg, layer), cfg.attn_scale, cfg.attn_softcap,
-               cfg.dropout)
+    scale = cfg.attn_scale
+    if scale is None and cfg.attn_dim != cfg.head_dim:  # heads padded to the value width
+      scale = cfg.head_dim ** -0.5
+    return cls(layer_kinds.window_of(cfg, layer), scale, cfg.attn_softcap, cfg.dropout)
 
 
 @dataclasses.dataclass(frozen=True)

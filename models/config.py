@@ -136,6 +136,18 @@ class TransformerConfig:
   routed_scale: float = 1.0  # HF's routed_scaling_factor: the routed output's weights x this
   shared_expert_gated: bool = True  # the shared expert's sigmoid gate (Qwen2-MoE); False:
   # added as is (DeepSeek-V3, GLM-4.5's n_shared_experts x moe_intermediate_size)
+  # -- multi-head latent attention (DeepSeek-V3's MLA: models.transformer.LatentAttention).
+  # With kv_lora_rank set, head_dim is a q/k head's width (qk_nope + qk_rope_head_dim)
+  # and num_kv_heads must be None: every head has its own k and v, expanded from a latent.
+  kv_lora_rank: int | None = None  # the kv latent's width (kv_a_proj_with_mqa's, normed)
+  q_lora_rank: int | None = None  # q's own latent (q_a_proj -> norm -> q_b_proj); None:
+  # one q projection
+  qk_rope_head_dim: int | None = None  # the rotary part of a q/k head (its last dims; k's
+  # is one head shared by all heads); the rest (qk_nope_head_dim) has no positions
+  v_head_dim: int | None = None  # a value head's width; None: head_dim
+  rope_interleave: bool = False  # how a checkpoint stores the rotary rows of q and k:
+  # interleaved pairs (DeepSeek's; permuted on load and back on save) or half-split. The
+  # computation is the same: flax_tp's params hold them half-split.
   # How a step runs (sequence parallelism, remat, scanned layers, FSDP) is not here:
   # see models.execution.Execution.
 
@@ -144,7 +156,7 @@ class TransformerConfig:
                  "max_seq_len"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    if self.head_dim % 2:
+    if self.head_dim % 2 and self.qk_rope_head_dim is None:  # (MLA: its rope part, below)
       raise ValueError(f"head_dim must be even for rotary positions, got {self.head_dim}")
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
@@ -152,7 +164,8 @@ class TransformerConfig:
       raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
     if self.mlp not in MLPS:
       raise ValueError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
-    if not 0 < self.rotary_fraction <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:
+    if self.qk_rope_head_dim is None and (  # (latent attention: its own check, below)
+        not 0 < self.rotary_fraction <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2):
       raise ValueError(f"rotary_fraction must be in (0, 1] and give an even rotary width of "
                        f"at least 2 of head_dim {self.head_dim}, got {self.rotary_fraction!r}")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -188,6 +201,35 @@ class TransformerConfig:
       raise ValueError("pre_norm=False needs sandwich_norm=True: a block without either "
                        "has no norm at all")
     self._check_experts()
+    self._check_latent_attention()
+
+  def _check_latent_attention(self) -> None:
+    mla = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
+    for name in mla:
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value < 1):
+        raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+    if self.kv_lora_rank is None:
+      given = [n for n in mla[1:] if getattr(self, n) is not None]
+      given += ["rope_interleave"] if self.rope_interleave else []
+      if given:
+        raise ValueError(f"{given[0]} is a field of multi-head latent attention, which "
+                         "kv_lora_rank (None here) turns on")
+      return
+    rope = self.qk_rope_head_dim
+    if rope is None or rope % 2 or rope >= self.head_dim:
+      raise ValueError(f"latent attention needs qk_rope_head_dim even and below head_dim "
+                       f"{self.head_dim} (qk_nope + qk_rope), got {rope!r}")
+    if self.num_kv_heads not in (None, self.num_heads):
+      raise ValueError(f"latent attention expands a k and v head per query head: "
+                       f"num_kv_heads must be None, got {self.num_kv_heads!r}")
+    wrong = [n for n, bad in (("qk_norm", self.qk_norm), ("rotary_fraction",
+                                                         self.rotary_fraction != 1.0))
+             if bad]
+    if wrong:
+      raise ValueError(f"{wrong[0]} is not part of latent attention (its latents have their "
+                       "own norms; qk_rope_head_dim says what rotates)")
 
   def _check_experts(self) -> None:
     if self.num_experts is None:
@@ -267,8 +309,28 @@ class TransformerConfig:
 
   @property
   def rotary_dim(self) -> int:
-    """How many dims of a head rotary rotates (HF: ``int(head_dim * partial_rotary_factor)``)."""
+    """How many dims of a head rotary rotates (HF: ``int(head_dim * partial_rotary_factor)``;
+    latent attention: ``qk_rope_head_dim``)."""
+    if self.qk_rope_head_dim is not None:
+      return self.qk_rope_head_dim
     return int(self.head_dim * self.rotary_fraction)
+
+  @property
+  def latent_attention(self) -> bool:
+    """Whether attention is DeepSeek-V3's multi-head latent attention (``kv_lora_rank``)."""
+    return self.kv_lora_rank is not None
+
+  @property
+  def value_dim(self) -> int:
+    """A value head's width (latent attention's ``v_head_dim``; else ``head_dim``)."""
+    return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+  @property
+  def attn_dim(self) -> int:
+    """The width of the q, k and v heads attention runs on (and a KV cache holds): the
+    wider of a q/k and a value head; the narrower ones are padded with zeros, which add
+    nothing to a score and give zero output columns."""
+    return max(self.head_dim, self.value_dim)
 
   def is_moe_layer(self, layer: int) -> bool:
     """Whether block ``layer``'s MLP is a mixture of experts."""
@@ -294,7 +356,7 @@ class TransformerConfig:
   def plain_attention(self) -> bool:
     """Whether attention is the causal softmax at ``head_dim ** -0.5`` and nothing else."""
     return (not self.has_sliding_layers and self.attn_scale is None
-            and self.attn_softcap is None)
+            and self.attn_softcap is None and self.attn_dim == self.head_dim)
 
   @property
   def compute_dtype(self):
@@ -342,7 +404,8 @@ ADDED_FIELDS = frozenset((
     "shared_expert_d_ff", "normalize_top_k", "moe_layers", "router_aux_loss_coef",
     "expert_capacity_factor", "expert_drop_policy", "qk_norm_span", "pre_norm",
     "router_score", "router_selection_bias", "expert_groups", "expert_groups_per_token",
-    "routed_scale", "shared_expert_gated"))
+    "routed_scale", "shared_expert_gated", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+    "v_head_dim", "rope_interleave"))
 
 
 def check_architecture_fields(overrides: dict) -> None:

@@ -521,7 +521,13 @@ _SOFTMAX_ROUTER = dict(router_score="softmax", router_selection_bias=False, expe
                        expert_groups_per_token=1, routed_scale=1.0, shared_expert_gated=True)
 
 
-def _deepseek_router(hf: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+# The router fields' defaults where a config.json leaves them out (the config classes').
+_GLM_ROUTER_DEFAULTS = dict(n_group=1, topk_group=1, first_k_dense_replace=1)
+_DEEPSEEK_ROUTER_DEFAULTS = dict(n_group=8, topk_group=4, first_k_dense_replace=3)
+
+
+def _deepseek_router(hf: dict[str, Any], shared: dict[str, Any],
+                     defaults: dict[str, int] = _GLM_ROUTER_DEFAULTS) -> dict[str, Any]:
   """DeepSeek-V3's and GLM-4.5's mixture of experts (``*TopkRouter``): sigmoid scores
   picked with ``e_score_correction_bias`` from the best ``topk_group`` of ``n_group``
   groups, renormalised (``norm_topk_prob``) and scaled (``routed_scaling_factor``);
@@ -543,7 +549,7 @@ def _deepseek_router(hf: dict[str, Any], shared: dict[str, Any]) -> dict[str, An
   else:
     shared_width = _number(hf, "n_shared_experts", integer=True) * width
   layers = shared["num_layers"]
-  dense = hf.get("first_k_dense_replace", 1)
+  dense = hf.get("first_k_dense_replace", defaults["first_k_dense_replace"])
   dense = 0 if dense in (None, 0) else _number(hf, "first_k_dense_replace", integer=True)
   if dense >= layers:
     raise HFConfigError(f"first_k_dense_replace {dense} leaves no MoE layer of "
@@ -553,8 +559,9 @@ def _deepseek_router(hf: dict[str, Any], shared: dict[str, Any]) -> dict[str, An
       experts_per_token=_number(hf, "num_experts_per_tok", integer=True),
       expert_d_ff=width, shared_expert_d_ff=shared_width, shared_expert_gated=False,
       normalize_top_k=_flag(hf, "norm_topk_prob", True), router_score="sigmoid",
-      router_selection_bias=True, expert_groups=_number(hf, "n_group", 1, integer=True),
-      expert_groups_per_token=_number(hf, "topk_group", 1, integer=True),
+      router_selection_bias=True,
+      expert_groups=_number(hf, "n_group", defaults["n_group"], integer=True),
+      expert_groups_per_token=_number(hf, "topk_group", defaults["topk_group"], integer=True),
       routed_scale=_number(hf, "routed_scaling_factor", 1.0, integer=False),
       moe_layers=None if dense == 0 else tuple(range(dense, layers)),
       router_aux_loss_coef=0.0)
@@ -651,6 +658,68 @@ def _glm4_moe_write(cfg):
               **_deepseek_router_out(cfg, "glm4_moe"))
 
 
+# DeepSeek-V3 (deepseek_v3; also Kimi K2's text backbone): multi-head latent attention
+# (models.transformer.LatentAttention) and the router GLM-4.5 shares. config.json's
+# head_dim is qk_rope_head_dim (transformers sets it so for its rotary tables); a q/k head
+# is qk_nope + qk_rope wide. attention_bias puts biases on q_a, kv_a and o. With yarn and
+# mscale_all_dim the scores are scaled by mscale(factor, mscale_all_dim) ** 2 beyond
+# qk_head_dim ** -0.5 (transformers' yarn_apply_mscale).
+def _mla_scale(hf: dict[str, Any], head_dim: int) -> float | None:
+  rope, _ = _rope_dict(hf, None)
+  if rope.get("rope_type", rope.get("type", "default")) == "default":
+    return None
+  m_all = rope.get("mscale_all_dim")
+  if not m_all:
+    return None
+  factor = _number(rope, "factor", integer=False)
+  mscale = 1.0 if factor <= 1 else 0.1 * float(m_all) * math.log(factor) + 1.0
+  return head_dim ** -0.5 * mscale * mscale
+
+
+def _deepseek_v3_read(hf, shared):
+  heads = shared["num_heads"]
+  if shared["num_kv_heads"] != heads:
+    raise HFConfigError(f"num_key_value_heads {shared['num_kv_heads']} is not "
+                        f"num_attention_heads {heads}: latent attention expands a k and v "
+                        "head per query head (transformers' would not run otherwise)")
+  rope = _number(hf, "qk_rope_head_dim", 64, integer=True)
+  head_dim = _number(hf, "qk_nope_head_dim", 128, integer=True) + rope
+  bias = _flag(hf, "attention_bias", False)
+  return dict(
+      num_kv_heads=None, head_dim=head_dim, qk_rope_head_dim=rope,
+      v_head_dim=_number(hf, "v_head_dim", 128, integer=True),
+      kv_lora_rank=_number(hf, "kv_lora_rank", 512, integer=True),
+      q_lora_rank=_optional(hf, "q_lora_rank", integer=True) if "q_lora_rank" in hf else 1536,
+      rope_interleave=_flag(hf, "rope_interleave", True), attn_scale=_mla_scale(hf, head_dim),
+      qkv_bias=bias, attn_out_bias=bias, mlp_bias=False,
+      mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}),
+      **_deepseek_router(hf, shared, _DEEPSEEK_ROUTER_DEFAULTS))
+
+
+def _deepseek_v3_write(cfg):
+  _require(cfg, "deepseek_v3", norm="rmsnorm", mlp="swiglu", mlp_bias=False, layer_types=None,
+           qkv_bias=cfg.attn_out_bias, **{**_NO_GEMMA, "attn_scale": cfg.attn_scale})
+  if not cfg.latent_attention:
+    raise HFConfigError("deepseek_v3's attention is latent (kv_lora_rank); this model's is not")
+  out = {}
+  plain = cfg.head_dim ** -0.5
+  if cfg.attn_scale is not None and cfg.attn_scale != plain:
+    # yarn_apply_mscale: scale = plain * mscale(factor, mscale_all_dim) ** 2 (yarn's own
+    # attention_factor is written as it is)
+    factor = cfg.rope_scaling.factor if cfg.rope_scaling is not None else 1.0
+    if cfg.rope_scaling is None or factor <= 1 or cfg.attn_scale < plain:
+      raise HFConfigError(f"attn_scale {cfg.attn_scale!r} has no deepseek_v3 equivalent "
+                          f"(qk_head_dim ** -0.5 = {plain!r}, times yarn's mscale ** 2)")
+    out["rope_scaling"] = dict(_scaling_out(cfg.rope_scaling), mscale_all_dim=(
+        math.sqrt(cfg.attn_scale / plain) - 1.0) / (0.1 * math.log(factor)))
+  return dict(attention_bias=cfg.attn_out_bias, head_dim=cfg.qk_rope_head_dim,
+              qk_rope_head_dim=cfg.qk_rope_head_dim,
+              qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim, v_head_dim=cfg.value_dim,
+              kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
+              rope_interleave=cfg.rope_interleave, **out,
+              **_deepseek_router_out(cfg, "deepseek_v3"))
+
+
 def _phi3_read(hf, shared):
   return dict(qkv_bias=False, attn_out_bias=False, mlp_bias=False,
               mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}),
@@ -686,6 +755,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_read, _qwen3_moe_write,
            moe_prefix="mlp"),
     Family("glm4_moe", "Glm4MoeForCausalLM", _glm4_moe_read, _glm4_moe_write,
+           moe_prefix="mlp", shared_expert="shared_experts",
+           mtp_fields=("num_nextn_predict_layers", "num_mtp_layers")),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", _deepseek_v3_read, _deepseek_v3_write,
            moe_prefix="mlp", shared_expert="shared_experts",
            mtp_fields=("num_nextn_predict_layers", "num_mtp_layers")),
 )}
@@ -789,6 +861,8 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
                         "norm='rmsnorm', mlp='swiglu' as Llama, or a family's own)")
   if family.model_type not in ("olmo2", "olmo3"):  # (OLMo's writers require their own)
     _require(cfg, family.model_type, qk_norm_span="head", pre_norm=True)
+  if family.model_type != "deepseek_v3":
+    _require(cfg, family.model_type, kv_lora_rank=None, rope_interleave=False)
   extra = family.write(cfg)  # (each writer refuses what its family cannot represent)
   # (Llama's and Qwen2's fields in the order they were always written: same bytes)
   out = dict(
@@ -828,6 +902,8 @@ class HFTensor:
   expert: int | None = None
   buffer: bool = False  # not trained (HF's nn.Buffer; a flax_tp.SelectionBias): a gradients
   # state has none
+  rows: tuple[int, ...] | None = None  # the param's row i is the checkpoint's row rows[i]
+  # (its out dim; a bias's one dim): DeepSeek's interleaved rotary rows, held half-split
 
 
 _ATTENTION = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"))
@@ -864,6 +940,47 @@ def _moe_tensors(cfg: TransformerConfig, family: Family, layer: str, at: Callabl
                      (at("mlp", "shared_expert_gate"),), True)
 
 
+def _deinterleaved(width: int, rope: int, blocks: int) -> tuple[int, ...]:
+  """Row order of ``blocks`` blocks of ``width`` rows whose last ``rope`` rows hold rotary
+  pairs interleaved ``(x0, x1), (x2, x3), ...``: each block's own rows, then its even rope
+  rows, then its odd ones (the half-split layout rotary runs on)."""
+  keep = width - rope
+  block = [*range(keep), *range(keep, width, 2), *range(keep + 1, width, 2)]
+  return tuple(b * width + r for b in range(blocks) for r in block)
+
+
+def _latent_attention_tensors(cfg: TransformerConfig, layer: str,
+                              at: Callable) -> Iterator[HFTensor]:
+  """DeepSeek-V3's attention tensors (``models.transformer.LatentAttention``); with
+  ``rope_interleave`` the rotary rows of q (each head's last ``qk_rope_head_dim``) and of
+  kv_a (its last) are permuted to the half-split layout flax_tp holds."""
+  rope = cfg.qk_rope_head_dim
+  q_rows = kv_rows = None
+  if cfg.rope_interleave:
+    q_rows = _deinterleaved(cfg.head_dim, rope, cfg.num_heads)
+    kv_rows = _deinterleaved(cfg.kv_lora_rank + rope, rope, 1)
+  attn = f"{layer}.self_attn"
+  bias = cfg.qkv_bias
+  if cfg.q_lora_rank is None:
+    yield HFTensor(f"{attn}.q_proj.weight", (at("attn", "q", "kernel"),), True, rows=q_rows)
+  else:
+    yield HFTensor(f"{attn}.q_a_proj.weight", (at("attn", "q_a", "kernel"),), True)
+    if bias:
+      yield HFTensor(f"{attn}.q_a_proj.bias", (at("attn", "q_a", "bias"),), False)
+    yield HFTensor(f"{attn}.q_a_layernorm.weight", (at("attn", "q_a_norm", "scale"),), False)
+    yield HFTensor(f"{attn}.q_b_proj.weight", (at("attn", "q_b", "kernel"),), True, rows=q_rows)
+  yield HFTensor(f"{attn}.kv_a_proj_with_mqa.weight", (at("attn", "kv_a", "kernel"),), True,
+                 rows=kv_rows)
+  if bias:
+    yield HFTensor(f"{attn}.kv_a_proj_with_mqa.bias", (at("attn", "kv_a", "bias"),), False,
+                   rows=kv_rows)
+  yield HFTensor(f"{attn}.kv_a_layernorm.weight", (at("attn", "kv_a_norm", "scale"),), False)
+  yield HFTensor(f"{attn}.kv_b_proj.weight", (at("attn", "kv_b", "kernel"),), True)
+  yield HFTensor(f"{attn}.o_proj.weight", (at("attn", "o", "kernel"),), True)
+  if cfg.attn_out_bias:
+    yield HFTensor(f"{attn}.o_proj.bias", (at("attn", "o", "bias"),), False)
+
+
 def tensor_names(cfg: TransformerConfig, experts_fused: bool = False) -> Iterator[HFTensor]:
   """Every tensor of ``cfg``'s HF checkpoint, in its family's names (a MoE family's
   experts one per tensor, or ``experts_fused`` as transformers 5 holds them)."""
@@ -881,12 +998,15 @@ def tensor_names(cfg: TransformerConfig, experts_fused: bool = False) -> Iterato
     layer = f"model.layers.{i}"
     at = lambda *p, i=i: ("blocks", i, *p)
     groups = []  # (our names, HF name, group, bias, row sizes when fused)
-    if fused:
+    if cfg.latent_attention:
+      yield from _latent_attention_tensors(cfg, layer, at)
+    elif fused:
       groups.append((("q", "k", "v"), "self_attn.qkv_proj", "attn", cfg.qkv_bias,
                      (q_rows, kv_rows, kv_rows)))
     else:
       groups += [((ours,), hf, "attn", cfg.qkv_bias, None) for ours, hf in _ATTENTION]
-    groups.append((("o",), "self_attn.o_proj", "attn", cfg.attn_out_bias, None))
+    if not cfg.latent_attention:
+      groups.append((("o",), "self_attn.o_proj", "attn", cfg.attn_out_bias, None))
     moe = cfg.is_moe_layer(i)
     if moe:
       pass  # (its tensors follow the attention's)

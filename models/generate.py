@@ -107,7 +107,8 @@ def kv_cache_bytes(cfg: TransformerConfig, mesh: Mesh, batch: int, cache_len: in
   ``"data"``), ``cache_len`` positions, its stored kv heads (``KVHeadLayout``,
   replicated and padding heads included), keys and values of every layer."""
   parts = mesh.shape[flax_tp.MODEL_AXIS]
-  layout = flax_tp.KVHeadLayout(cfg.kv_heads * cfg.head_dim, parts, cfg.head_dim,
+  # (latent attention caches each head's expanded k and v, attn_dim wide)
+  layout = flax_tp.KVHeadLayout(cfg.kv_heads * cfg.attn_dim, parts, cfg.attn_dim,
                                 num_heads=cfg.num_heads)
   rows = -(-batch // mesh.shape[flax_tp.DATA_AXIS])
   return (2 * cfg.num_layers * rows * cache_len * layout.padded_size
@@ -172,7 +173,7 @@ class Decoder:
       if ContextSplit.here(s) is not None:  # the prompt split over "context"
         logits, cache = model.prefill(tokens, cache_len, lengths - 1)
       else:
-        shape = (b, cache_len, self.kv_heads, cfg.head_dim)
+        shape = (b, cache_len, self.kv_heads, cfg.attn_dim)
         cache = tuple((jnp.zeros(shape, cfg.compute_dtype),
                        jnp.zeros(shape, cfg.compute_dtype)) for _ in range(cfg.num_layers))
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))

@@ -71,7 +71,10 @@ def to_hf_state_dict(state: nnx.State, cfg: TransformerConfig,
     if tensor.expert is not None:
       parts = [part[tensor.expert] for part in parts]
     value = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]  # fused: rows
-    out[tensor.name] = np.ascontiguousarray(_transposed(value) if tensor.transposed else value)
+    value = _transposed(value) if tensor.transposed else value
+    if tensor.rows is not None:  # back to the checkpoint's row order
+      value = np.take(value, np.argsort(tensor.rows), axis=_rows_axis(value))
+    out[tensor.name] = np.ascontiguousarray(value)
   return out
 
 
@@ -229,6 +232,11 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
   experts: dict[tuple, tuple[np.ndarray, set]] = {}  # path -> (experts so far, which)
   for tensor in tensor_names(cfg, experts_fused):
     value = tensors.get(tensor.name)
+    if tensor.rows is not None:  # rows flax_tp holds in another order (DeepSeek's rotary)
+      if value.shape[_rows_axis(value)] != len(tensor.rows):
+        raise HFConfigError(f"tensor {tensor.name!r} has {value.shape[_rows_axis(value)]} "
+                            f"rows; the config gives {len(tensor.rows)}")
+      value = np.take(value, tensor.rows, axis=_rows_axis(value))
     if tensor.sizes is not None:  # fused rows: each part's, in order
       rows = _rows_axis(value)
       if value.shape[rows] != sum(tensor.sizes):

@@ -54,6 +54,14 @@ def module_names(cfg: Any) -> dict[str, str]:
   return out
 
 
+def _row_orders(cfg: Any) -> dict[str, tuple[int, ...]]:
+  """Each layer whose output rows flax_tp holds in another order than the checkpoint
+  (DeepSeek's interleaved rotary rows) -> that order (``HFTensor.rows``): its adapter's B
+  rows follow it."""
+  return {".".join(map(str, t.paths[0][:-1])): t.rows for t in tensor_names(cfg)
+          if t.rows is not None and t.transposed}
+
+
 def save_peft_adapter(model: Transformer, path: str | Path, *,
                       base_model_name_or_path: str | None = None) -> list[str]:
   """Writes ``model``'s adapters as a PEFT LoRA folder (float32); returns the HF modules.
@@ -73,13 +81,15 @@ def save_peft_adapter(model: Transformer, path: str | Path, *,
                      "module, which per-part adapters are not")
   logical = {".".join(map(str, k)): np.asarray(v[...], np.float32) for k, v in
              nnx.to_flat_state(flax_tp.unshard(nnx.state(model, nnx.LoRAParam)))}
-  tensors = {}
+  tensors, orders = {}, _row_orders(model.cfg)
   for target in model.lora_targets:
     module = names[target]
+    b = logical[f"{target}.lora_b"].T  # [out, r]
+    if target in orders:  # back to the checkpoint's row order
+      b = b[np.argsort(orders[target])]
     tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(
         logical[f"{target}.lora_a"].T)
-    tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(
-        logical[f"{target}.lora_b"].T)
+    tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b)
   modules = [names[t] for t in model.lora_targets]
   config = {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
@@ -219,12 +229,14 @@ def read_adapter(path: str | Path, cfg: Any) -> tuple[LoRAConfig, dict[str, tupl
   if missing:
     raise PeftError(f"{CONFIG}: target_modules {targets!r} reaches {missing[0]}, for which "
                     f"{WEIGHTS} holds no adapter (peft would draw one)")
-  adapters = {}
+  adapters, orders = {}, _row_orders(cfg)
   for module, parts in found.items():
     target = by_module[module]
     if set(parts) != {"A", "B"}:
       raise PeftError(f"{WEIGHTS}: layer {target} has lora_{''.join(parts)} but not both")
     a, b = parts["A"].T, parts["B"].T  # [in, r], [r, out]
+    if target in orders and b.shape[1] == len(orders[target]):  # (else misshapen: below)
+      b = b[:, list(orders[target])]
     if a.shape[1] != rank or b.shape[0] != rank:
       raise PeftError(f"{WEIGHTS}: layer {target}'s adapter has rank {a.shape[1]}; "
                       f"{CONFIG} says r {rank}")

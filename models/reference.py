@@ -50,6 +50,61 @@ class Attention(nnx.Module):
     return self.o(out.reshape(b, s, -1))
 
 
+class LatentAttention(nnx.Module):
+  """DeepSeek-V3's multi-head latent attention as transformers' ``DeepseekV3Attention``
+  writes it (half-split rotary on the last ``qk_rope_head_dim`` dims of each q/k head):
+  q from its own latent (or one projection), each head's k_nope and v from the normed kv
+  latent, one rotary key head shared by all heads, scores at ``head_dim ** -0.5`` unless
+  ``attn_scale`` says otherwise."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    heads, qk, value, rope = cfg.num_heads, cfg.head_dim, cfg.value_dim, cfg.qk_rope_head_dim
+    dense = dict(dtype=cfg.compute_dtype, rngs=rngs)
+    norm = dict(epsilon=1e-6, dtype=cfg.compute_dtype, rngs=rngs)  # DeepseekV3RMSNorm's
+    if cfg.q_lora_rank is None:
+      self.q = nnx.Linear(cfg.d_model, heads * qk, use_bias=False, **dense)
+    else:
+      self.q_a = nnx.Linear(cfg.d_model, cfg.q_lora_rank, use_bias=cfg.qkv_bias, **dense)
+      self.q_a_norm = nnx.RMSNorm(cfg.q_lora_rank, **norm)
+      self.q_b = nnx.Linear(cfg.q_lora_rank, heads * qk, use_bias=False, **dense)
+    self.kv_a = nnx.Linear(cfg.d_model, cfg.kv_lora_rank + rope, use_bias=cfg.qkv_bias, **dense)
+    self.kv_a_norm = nnx.RMSNorm(cfg.kv_lora_rank, **norm)
+    self.kv_b = nnx.Linear(cfg.kv_lora_rank, heads * (qk - rope + value), use_bias=False,
+                           **dense)
+    self.o = nnx.Linear(heads * value, cfg.d_model, use_bias=cfg.attn_out_bias, **dense)
+    self.cfg = cfg
+
+  def __call__(self, x_bsd, key, layer):
+    cfg = self.cfg
+    b, s, _ = x_bsd.shape
+    nope, rope, value = cfg.head_dim - cfg.qk_rope_head_dim, cfg.qk_rope_head_dim, cfg.value_dim
+    q = self.q(x_bsd) if cfg.q_lora_rank is None else self.q_b(self.q_a_norm(self.q_a(x_bsd)))
+    q = q.reshape(b, s, cfg.num_heads, nope + rope)
+    compressed = self.kv_a(x_bsd)
+    latent, k_rope = compressed[..., :cfg.kv_lora_rank], compressed[..., cfg.kv_lora_rank:]
+    kv = self.kv_b(self.kv_a_norm(latent)).reshape(b, s, cfg.num_heads, nope + value)
+    rotate = lambda t: layer_kinds.rotate(cfg, t, None, layer)
+    q = jnp.concatenate([q[..., :nope], rotate(q[..., nope:])], axis=-1)
+    k_rope = jnp.broadcast_to(rotate(k_rope[:, :, None, :]), (b, s, cfg.num_heads, rope))
+    k = jnp.concatenate([kv[..., :nope], k_rope], axis=-1)
+    v = kv[..., nope:]
+    # scores over q/k's head_dim; v's own width (the explicit form: no fused kernel needs
+    # q, k and v of one width here)
+    scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
+    scores = jnp.einsum("bqhk,bthk->bhqt", q, k, preferred_element_type=jnp.float32) * scale
+    pos = jnp.arange(s)
+    mask = attention.visible_keys(pos[:, None], pos[None, :],
+                                  attention.AttentionSpec.of(cfg, layer).window)
+    probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
+    dropout_key = ops.site_key(key, layer, ops.ATTN_PROBS)
+    if dropout_key is not None:
+      keep = ops.keep_mask(dropout_key, cfg.dropout, jnp.arange(b), (s, s),
+                           jnp.arange(cfg.num_heads))
+      probs = ops.apply_keep(probs, keep, cfg.dropout)
+    out = jnp.einsum("bhqt,bthk->bqhk", probs.astype(v.dtype), v)
+    return self.o(out.reshape(b, s, -1))
+
+
 class MLP(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     dense = dict(use_bias=cfg.mlp_bias, dtype=cfg.compute_dtype, rngs=rngs)
@@ -187,7 +242,7 @@ def load_balancing_loss(router_logits: list, top_k: int, score: str = "softmax",
 class Block(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
     self.ln1 = cfg.norm_layer(rngs) if cfg.pre_norm else None
-    self.attn = Attention(cfg, rngs=rngs)
+    self.attn = (LatentAttention if cfg.latent_attention else Attention)(cfg, rngs=rngs)
     self.ln2 = cfg.norm_layer(rngs) if cfg.pre_norm else None
     self.mlp = LoopMoE(cfg, rngs=rngs) if cfg.is_moe_layer(layer) else MLP(cfg, rngs=rngs)
     if cfg.sandwich_norm:

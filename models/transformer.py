@@ -73,10 +73,22 @@ class ParallelAttention(nnx.Module):
       self.k_norm = cfg.norm_layer(rngs, cfg.head_dim)
     self.cfg = cfg
 
-  def _project(self, x_bsd, layer, positions=None):
+  @property
+  def _query_dense(self) -> flax_tp.ColumnParallelDense:
+    """The column layer whose output columns are this device's query heads."""
+    return self.q
+
+  def cache_heads(self) -> int:
+    """The kv heads this device's KV cache holds (stored, padded ones included)."""
+    return self.k.layout.padded_size // self.cfg.head_dim
+
+  def _project(self, x_bsd, layer, positions=None, layout=None):
     """This device's query heads ``[b, s, hq_pad, k]`` and kv heads ``[b, s, hkv_pad, k]``
     (q/k normed if ``qk_norm``, then rotary as ``layer``'s kind has it, at ``positions
-    [b, s]``, default ``0 .. s-1``). Padded heads stay zero: a norm of zero is zero."""
+    [b, s]``, default ``0 .. s-1``). Padded heads stay zero: a norm of zero is zero.
+    ``layout`` (an ``ActivationLayout``): with SP ``x`` is the device's block, gathered
+    first."""
+    x_bsd = x_bsd if layout is None else layout.gather(x_bsd)
     b, s, _ = x_bsd.shape
     # One matmul for q, k and v (their local kernels joined), one all-reduce of
     # the input gradient in backward.
@@ -97,14 +109,15 @@ class ParallelAttention(nnx.Module):
     once for its group); ``real [hq_pad]`` bool, which query heads are not padding, or
     None without grouped-query attention; ``heads [hq_pad]``, their global ids)."""
     cfg = self.cfg
-    device = flax_tp.shard_index(self.q.axis_name)
+    query = self._query_dense
+    device = flax_tp.shard_index(query.axis_name)
     kv_index = real = None
     if cfg.kv_heads != cfg.num_heads:
       index, real = (jnp.asarray(t)[device] for t in self.k.layout.kv_for_query_heads)
       if not self.k.layout.groups_line_up:  # replicated kv heads straddle its groups
         kv_index = index
-    first_head = jnp.asarray(self.q.layout.offsets)[device]
-    heads = first_head // cfg.head_dim + jnp.arange(self.q.layout.padded_size // cfg.head_dim)
+    first_head = jnp.asarray(query.layout.offsets)[device]
+    heads = first_head // cfg.head_dim + jnp.arange(query.layout.padded_size // cfg.head_dim)
     return kv_index, real, heads
 
   def _attend(self, q, k, v, layer, q_positions=None, k_positions=None, **kw):
@@ -116,6 +129,11 @@ class ParallelAttention(nnx.Module):
                            q_positions, k_positions, kv_index=kv_index, **kw)
     if real is not None:
       out = jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
+    return self._merge_heads(out)
+
+  def _merge_heads(self, out):
+    """Attention's ``[b, s, hq_pad, k]`` -> the output projection's input ``[b, s, hq_pad
+    * k]``."""
     return out.reshape(out.shape[:2] + (-1,))
 
   def __call__(self, x_bsd, key, layer, rows, layout=None, *, return_kv=False):
@@ -131,8 +149,7 @@ class ParallelAttention(nnx.Module):
     context strategy's core (``attention.core_of``) reaches the other devices' keys.
     """
     layout = layout or ActivationLayout()
-    x_bsd = layout.gather(x_bsd)
-    q, k, v = self._project(x_bsd, layer, layout.positions())
+    q, k, v = self._project(x_bsd, layer, layout.positions(), layout)
     dropout_key = ops.site_key(key, layer, ops.ATTN_PROBS)
     dropout = None
     if dropout_key is not None:
@@ -161,6 +178,127 @@ class ParallelAttention(nnx.Module):
     slots = jnp.arange(cache_k.shape[1])
     out = self._attend(q, cache_k, cache_v, layer, positions, slots)
     return self.o(out), (cache_k, cache_v)
+
+
+# transformers' DeepseekV3RMSNorm default, which its latent norms keep whatever
+# rms_norm_eps says.
+LATENT_NORM_EPS = 1e-6
+
+
+class LatentAttention(ParallelAttention):
+  """DeepSeek-V3's multi-head latent attention (MLA), split as transformers' plan, SGLang
+  and Megatron split it.
+
+  Per block, inside the step's ``shard_map``:
+
+      x [b, s, d] replicated over "model"
+        -> q_a [d, q_lora] -> RMSNorm -> q_b column-parallel by head -> q [.., h, nope | rope]
+           (or, without q_lora_rank, one column-parallel q)
+        -> kv_a [d, kv_lora + rope] -> the latent RMSNormed | one rotary key head
+        -> kv_b column-parallel by head -> each head's k_nope | v
+        -> rotary on q's rope part and on the shared key head, copied to every head
+        -> attention over heads of ``attn_dim`` (the narrower of q/k and v zero-padded)
+        -> o row-parallel (all-reduce) -> [b, s, d]
+
+  The down projections and their norms are replicated: each is small (DeepSeek-V3:
+  7168 -> 1536 and 7168 -> 576) and splitting them would cost a collective for what a
+  head split already divides. Megatron's ``f`` (``copy_to_parallel``) marks the latents,
+  not x, so the backward all-reduce sums their cotangents (1536 + 576 wide, the shared
+  rotary key's included, instead of 7168). With sequence parallelism the down
+  projections run on the device's sequence block and the latents are all-gathered
+  instead of the hidden state (Megatron's choice: 3.4x fewer bytes at DeepSeek-V3's
+  sizes); without ``q_lora_rank`` q needs the hidden state, which is gathered (and its
+  cotangent summed) as usual.
+
+  Rotary runs half-split (``ops.rotary``) on the last ``qk_rope_head_dim`` dims of a q/k
+  head; a checkpoint storing them interleaved (``rope_interleave``) has those rows
+  permuted on load and back on save (``models/families.py``), so no rotary changes.
+
+  The KV cache holds the expanded per-head k and v (``attn_dim`` wide), not the latent:
+  every attention core, context parallelism and the cache code then run unchanged, at
+  ``2 * h * attn_dim`` against ``kv_lora + rope`` values per token and layer (DeepSeek-V3:
+  49152 against 576, split over "model"); absorbing kv_b into q and o to attend over the
+  latent is the decode-time optimisation this leaves out.
+  """
+
+  def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+    heads, qk, value, rope = cfg.num_heads, cfg.head_dim, cfg.value_dim, cfg.qk_rope_head_dim
+    nope = qk - rope
+    kw = dict(mesh=mesh, dtype=cfg.compute_dtype, rngs=rngs)
+    column = dict(gather_output=False, use_bias=False, **kw)
+    dense = dict(dtype=cfg.compute_dtype, rngs=rngs)
+    norm = dict(epsilon=LATENT_NORM_EPS, dtype=cfg.compute_dtype, rngs=rngs)
+    # (built in transformers' order, which is the reference's key-draw order)
+    if cfg.q_lora_rank is None:
+      self.q = flax_tp.ColumnParallelDense(cfg.d_model, heads * qk, shard_unit=qk, **column)
+    else:
+      self.q_a = nnx.Linear(cfg.d_model, cfg.q_lora_rank, use_bias=cfg.qkv_bias, **dense)
+      self.q_a_norm = nnx.RMSNorm(cfg.q_lora_rank, **norm)
+      self.q_b = flax_tp.ColumnParallelDense(cfg.q_lora_rank, heads * qk, shard_unit=qk,
+                                             **column)
+    self.kv_a = nnx.Linear(cfg.d_model, cfg.kv_lora_rank + rope, use_bias=cfg.qkv_bias, **dense)
+    self.kv_a_norm = nnx.RMSNorm(cfg.kv_lora_rank, **norm)
+    self.kv_b = flax_tp.ColumnParallelDense(cfg.kv_lora_rank, heads * (nope + value),
+                                            shard_unit=nope + value, **column)
+    self.o = flax_tp.RowParallelDense(heads * value, cfg.d_model, input_is_parallel=True,
+                                      shard_unit=value, use_bias=cfg.attn_out_bias, **kw)
+    self.cfg = cfg
+
+  @property
+  def _query_dense(self) -> flax_tp.ColumnParallelDense:
+    return self.q if self.cfg.q_lora_rank is None else self.q_b
+
+  def cache_heads(self) -> int:
+    return self._query_dense.layout.padded_size // self.cfg.head_dim
+
+  def _latents(self, x_bsd, layout):
+    """``(q's input, the normed kv latent [b, s, kv_lora], the rotary key [b, s,
+    rope])`` of the device's tokens, ready for per-device work: their cotangents are
+    summed over "model" in one all-reduce in backward (Megatron's ``f`` on the latents,
+    not x), or with SP (``x`` the device's block) the latents, not ``x``, are
+    all-gathered (where q has its own latent)."""
+    cfg = self.cfg
+    kv_rank = cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:  # q reads the hidden state: x is gathered, as usual
+      x_bsd = x_bsd if layout is None else layout.gather(x_bsd)
+      kv = self.kv_a(x_bsd)
+      latents = jnp.concatenate([self.kv_a_norm(kv[..., :kv_rank]), kv[..., kv_rank:]], -1)
+      latents = flax_tp.copy_to_parallel(latents)
+      return x_bsd, latents[..., :kv_rank], latents[..., kv_rank:]
+    kv = self.kv_a(x_bsd)
+    latents = jnp.concatenate([self.q_a_norm(self.q_a(x_bsd)), self.kv_a_norm(kv[..., :kv_rank]),
+                               kv[..., kv_rank:]], axis=-1)
+    latents = latents if layout is None else layout.gather(latents)  # SP: one all-gather
+    latents = flax_tp.copy_to_parallel(latents)  # (a no-op after SP's gather)
+    q_in, kv_latent, k_rope = jnp.split(
+        latents, [cfg.q_lora_rank, cfg.q_lora_rank + kv_rank], axis=-1)
+    return q_in, kv_latent, k_rope
+
+  def _project(self, x_bsd, layer, positions=None, layout=None):
+    """This device's heads of q, k and v, each ``[b, s, h_pad, attn_dim]``: q and k
+    ``[nope | rope]`` with rotary on the rope part at ``positions`` (the key's rope part
+    one head shared by all), v its ``v_head_dim``; zero-padded to ``attn_dim``. Padded
+    heads have zero q and v (their keys' shared rope part meets a zero query)."""
+    cfg = self.cfg
+    nope = cfg.head_dim - cfg.qk_rope_head_dim
+    q_in, kv_latent, k_rope = self._latents(x_bsd, layout)
+    q = self._query_dense(q_in)
+    b, s, _ = q.shape
+    q = q.reshape(b, s, -1, cfg.head_dim)
+    kv = self.kv_b(kv_latent).reshape(b, s, -1, nope + cfg.value_dim)
+    rotate = functools.partial(layer_kinds.rotate, cfg, positions=positions, layer=layer)
+    q = jnp.concatenate([q[..., :nope], rotate(q[..., nope:])], axis=-1)
+    k_rope = jnp.broadcast_to(rotate(k_rope[:, :, None, :]),
+                              kv.shape[:3] + (cfg.qk_rope_head_dim,))
+    k = jnp.concatenate([kv[..., :nope], k_rope.astype(kv.dtype)], axis=-1)
+    v = kv[..., nope:]
+    pad = lambda t: jnp.pad(t, [(0, 0)] * 3 + [(0, cfg.attn_dim - t.shape[-1])])
+    return pad(q), pad(k), pad(v)
+
+  def _merge_heads(self, out):
+    """``[b, s, h_pad, attn_dim]`` -> the value columns ``[b, s, h_pad * v_head_dim]``."""
+    out = out[..., :self.cfg.value_dim]
+    return out.reshape(out.shape[:2] + (-1,))
 
 
 class ParallelMLP(nnx.Module):
@@ -209,7 +347,8 @@ class ParallelBlock(nnx.Module):
                expert_axes: tuple[str, ...] = flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES,
                dispatcher: str = "all_gather"):
     self.ln1 = cfg.norm_layer(rngs) if cfg.pre_norm else None
-    self.attn = ParallelAttention(cfg, mesh=mesh, rngs=rngs)
+    attention_of = LatentAttention if cfg.latent_attention else ParallelAttention
+    self.attn = attention_of(cfg, mesh=mesh, rngs=rngs)
     self.ln2 = cfg.norm_layer(rngs) if cfg.pre_norm else None
     self.mlp = (moe_layer(cfg, mesh=mesh, rngs=rngs, expert_axes=expert_axes,
                           dispatcher=dispatcher)
@@ -401,7 +540,7 @@ class Transformer(nnx.Module):
     """kv heads each device's cache holds (its stored, padded kv heads)."""
     first = self._runs()[0][0]
     first = first[0] if isinstance(first, nnx.List) else first
-    return first.attn.k.layout.padded_size // self.cfg.head_dim
+    return first.attn.cache_heads()
 
   def extend(self, tokens_bs, cache, positions_bs, last_b):
     """Inside ``shard_map``: new tokens through the model with a KV cache.

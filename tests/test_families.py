@@ -24,7 +24,7 @@ from helpers import fine_tune_folder
 import flax_tp
 from models.config import FULL, SLIDING, RopeScaling, TransformerConfig
 from models.execution import Execution
-from models.families import HFConfigError, config_from_hf
+from models.families import HFConfigError, config_from_hf, config_to_hf
 from models.generate import generate
 from models.hf import load_hf, read_config, save_hf
 from train.step import Trainer, make_optimizer
@@ -33,13 +33,14 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 DENSE = ["llama3", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
          "olmo3"]
 # Mixtures of experts: experts over "data" as well, so 4x2 too.
-EXPERTS = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"]
+EXPERTS = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v3_plain"]
 FAMILIES = DENSE + EXPERTS
 MESHES = ["1x1", "1x3", "2x4", "1x8"]
 MOE_MESHES = [*MESHES, "4x2"]
 # The fast lane runs each family on one mesh (each mesh at least once); the slow the rest.
 FAST = {name: MESHES[i % len(MESHES)] for i, name in enumerate(DENSE)}
 FAST.update(mixtral="2x4", qwen2_moe="4x2", qwen3_moe="1x3", glm4_moe="1x8",
+            deepseek_v3="2x4", deepseek_v3_plain="1x3",
             # OLMo's q/k norms over heads split unevenly (6 over 4) and kv heads replicated
             olmo2="2x4", olmo3="1x3")
 CASES = [pytest.param(name, mesh, marks=() if FAST[name] == mesh else pytest.mark.slow,
@@ -84,7 +85,8 @@ def check_against_fixture(model, name, *, batch_one=False):
 @pytest.mark.parametrize("name,mesh_spec", CASES)
 def test_family_equals_transformers(meshes, name, mesh_spec):
   model = load_hf(FIXTURES / name, meshes[mesh_spec])
-  assert model.cfg.family == (None if name == "llama3" else name)
+  # (llama3 is Llama's; deepseek_v3_plain DeepSeek-V3's other attention)
+  assert model.cfg.family == {"llama3": None, "deepseek_v3_plain": "deepseek_v3"}.get(name, name)
   check_against_fixture(model, name, batch_one=FAST[name] == mesh_spec)
 
 
@@ -105,6 +107,13 @@ def test_family_equals_transformers(meshes, name, mesh_spec):
     ("glm4_moe", "2x4", Execution(expert_axes=("data", "model"), scan_layers=True,
                                   sequence_parallel=True, fsdp=True)),
     pytest.param("glm4_moe", "4x2", Execution(remat="block"), marks=pytest.mark.slow),
+    # DeepSeek-V3's 9 experts whole on the 8 devices of 2x4, its latent attention under
+    # SP (the latents gathered, not x), scanned, FSDP; the other MLA (one q projection,
+    # values wider than q/k) under SP with x gathered, remat
+    ("deepseek_v3", "2x4", Execution(expert_axes=("data", "model"), scan_layers=True,
+                                     sequence_parallel=True, fsdp=True)),
+    pytest.param("deepseek_v3_plain", "1x8", Execution(sequence_parallel=True, remat="block"),
+                 marks=pytest.mark.slow),
     # each expert whole on one device: 8 experts over data x model
     pytest.param("qwen3_moe", "2x4", Execution(expert_axes=("data", "model")),
                  marks=pytest.mark.slow),
@@ -152,6 +161,10 @@ RING = "ring"
     pytest.param("glm4_moe", "2x2x2", Execution(expert_axes=("data", "context"),
                                                 context_parallel=RING),
                  marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", "2x2x2", Execution(context_parallel=RING,
+                                                   sequence_parallel=True),
+                 marks=pytest.mark.slow),
+    pytest.param("deepseek_v3_plain", "1x3x2", Execution(), marks=pytest.mark.slow),
 ])
 def test_family_on_a_context_mesh_equals_transformers(name, mesh_spec, execution):
   mesh = flax_tp.make_mesh(mesh_spec)
@@ -214,6 +227,8 @@ def test_saved_folder_loads_in_transformers_to_the_same_logits(tmp_path, meshes,
     ("glm4_moe", dict(routed_scale=1.0)),
     ("glm4_moe", dict(rotary_fraction=1.0)),
     ("glm4_moe", "no selection bias"),
+    ("deepseek_v3", dict(rope_interleave=False)),  # its rotary rows as stored
+    ("deepseek_v3", dict(attn_scale=None)),  # yarn's mscale_all_dim on the scores
 ])
 def test_each_fixture_tells_its_mechanism_apart(meshes, name, change):
   """Without the mechanism (or with another window) the logits are not transformers':
@@ -250,6 +265,10 @@ def _copy(name, folder):
     ("glm4_moe", "missing", "model.layers.1.mlp.experts.8.down_proj.weight"),
     # past the one multi-token-prediction layer (2) the config declares
     ("glm4_moe", "extra", "model.layers.3.eh_proj.weight"),
+    ("deepseek_v3", "missing", "model.layers.0.self_attn.kv_b_proj.weight"),
+    ("deepseek_v3", "missing", "model.layers.1.self_attn.q_a_layernorm.weight"),
+    ("deepseek_v3", "extra", "model.layers.0.self_attn.q_proj.weight"),
+    ("deepseek_v3_plain", "extra", "model.layers.1.self_attn.q_b_proj.weight"),
 ])
 def test_a_tampered_checkpoint_is_refused_naming_the_tensor(tmp_path, meshes, name, how, named):
   from safetensors.numpy import load_file, save_file
@@ -333,6 +352,10 @@ def _config(name):
     ("glm4_moe", {"first_k_dense_replace": 2}, "first_k_dense_replace 2 leaves no MoE layer"),
     ("glm4_moe", {"n_group": 2}, "expert_groups 2 must divide num_experts 9"),
     ("glm4_moe", {"topk_method": "greedy"}, "topk_method 'greedy'"),
+    ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads 2 is not"),
+    ("deepseek_v3", {"qk_rope_head_dim": 3}, "qk_rope_head_dim even"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+    ("deepseek_v3", {"kv_lora_rank": 0}, "'kv_lora_rank' is 0"),
 ])
 def test_configs_it_cannot_honour_are_named(name, change, field):
   with pytest.raises(HFConfigError, match=field):
@@ -520,3 +543,61 @@ def test_a_moe_family_fine_tunes_resumes_exports_and_transformers_reads_it(tmp_p
     expected = theirs(torch.as_tensor(ids)).logits.numpy()
   np.testing.assert_allclose(jax.jit(lambda t: ours(t))(jnp.asarray(ids, jnp.int32)),
                              expected, rtol=1e-4, atol=1e-4)
+
+
+def test_latent_attention_is_written_only_as_deepseek_v3():
+  """A model with latent attention has no other family's config; DeepSeek-V3's fields
+  read back (the yarn score scale through mscale_all_dim, q without its latent)."""
+  import dataclasses
+  cfg = read_config(FIXTURES / "deepseek_v3")
+  with pytest.raises(HFConfigError, match="kv_lora_rank=10 has no glm4_moe equivalent"):
+    config_to_hf(dataclasses.replace(cfg, family="glm4_moe"))
+  written = config_to_hf(cfg)
+  assert written["head_dim"] == 4 and written["qk_nope_head_dim"] == 6
+  assert config_from_hf(written) == cfg
+  plain = read_config(FIXTURES / "deepseek_v3_plain")
+  assert plain.q_lora_rank is None and plain.attn_dim == 12 and not plain.rope_interleave
+  assert config_from_hf(config_to_hf(plain)) == plain
+
+
+@pytest.mark.slow
+def test_deepseek_v3_fine_tunes_resumes_exports_and_generates(tmp_path, capsys):
+  """``train/run.py --init-from`` a DeepSeek-V3 folder on 2x4 with FSDP, SP and scanned
+  layers (auxiliary-loss-free balancing on), resumed on 1x8 from a copied checkpoint,
+  ``train/export.py`` read by transformers to the checkpoint's logits, and
+  ``train/generate.py`` from the checkpoint."""
+  from helpers import logged_losses
+
+  from train import export, generate as cli
+  from train.run import main
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  cfg, folder, flags = fine_tune_folder(tmp_path, "deepseek_v3")
+  ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+  assert main([*flags, "--mesh", "2x4", "--fsdp", "--sequence-parallel", "--scan-layers",
+               "--router-bias-rate", "0.05", "--checkpoint-dir", str(ck),
+               "--checkpoint-every", "3", "--metrics-file", str(metrics)]) == 0
+  losses = logged_losses(metrics)
+  assert len(losses) == 6 and losses[-1] < losses[0]
+  moved = tmp_path / "moved"
+  moved.mkdir()
+  shutil.copytree(ck / "3", moved / "3")
+  resumed = tmp_path / "r.jsonl"
+  assert main([*flags, "--mesh", "1x8", "--router-bias-rate", "0.05", "--resume",
+               "--checkpoint-dir", str(moved), "--metrics-file", str(resumed)]) == 0
+  np.testing.assert_allclose(logged_losses(resumed)[0], losses[3], rtol=1e-5)
+  out = tmp_path / "exported"
+  assert export.main(["--checkpoint", str(moved), "--out", str(out), "--mesh", "2x4"]) == 0
+  ours = load_hf(out, flax_tp.make_mesh("1x3"))
+  assert ours.cfg.family == "deepseek_v3" and ours.cfg.kv_lora_rank == cfg.kv_lora_rank
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(
+      out, attn_implementation="eager", experts_implementation="eager").eval()
+  with torch.no_grad():
+    expected = theirs(torch.as_tensor(ids)).logits.numpy()
+  np.testing.assert_allclose(jax.jit(lambda t: ours(t))(jnp.asarray(ids, jnp.int32)),
+                             expected, rtol=1e-4, atol=1e-4)
+  capsys.readouterr()
+  assert cli.main(["--checkpoint", str(moved), "--mesh", "1x3", "--prompt", "def f(",
+                   "--max-new-tokens", "5"]) == 0
+  assert capsys.readouterr().out.startswith("def f(")

@@ -270,3 +270,31 @@ def test_a_new_user_fine_tunes_with_lora_resumes_exports_and_peft_reads_it(tmp_p
   assert "lora_base_sha256" in capsys.readouterr().err
   assert export.main(["--checkpoint", str(moved), "--out", str(tmp_path / "again")]) == 2
   assert "weights changed since" in capsys.readouterr().err
+
+
+def test_lora_on_latent_attention_reads_in_peft(tmp_path, meshes):
+  """DeepSeek-V3's attention (the transformers-made fixture): adapters on its parallel
+  projections (q_b, kv_b, o), B random, read in ``peft.PeftModel`` to flax_tp's logits on
+  2x4; q_b's interleaved rotary rows (held half-split) go back to the checkpoint's order
+  in B, and come back exactly."""
+  torch, transformers, peft = live()
+  base = FIXTURES / "hf" / "deepseek_v3"
+  lora = flax_tp.LoRAConfig(rank=3, alpha=5.0, init_weights=False,
+                            targets=("blocks.*.attn.q_b", "blocks.*.attn.kv_b",
+                                     "blocks.*.attn.o"))
+  model = load_hf(base, meshes["2x4"], lora=lora)
+  ids = IDS % model.cfg.vocab_size
+  ours = np.asarray(model(jnp.asarray(ids)))
+  modules = save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(base))
+  assert "model.layers.1.self_attn.q_b_proj" in modules and len(modules) == 6
+  plain = transformers.AutoModelForCausalLM.from_pretrained(
+      base, attn_implementation="eager", experts_implementation="eager").eval()
+  theirs = peft.PeftModel.from_pretrained(plain, tmp_path / "adapter").eval()
+  with torch.no_grad():
+    np.testing.assert_allclose(theirs(torch.as_tensor(ids)).logits.numpy(), ours, rtol=1e-5,
+                               atol=1e-5)
+  again = load_peft_adapter(base, tmp_path / "adapter", meshes["1x3"])
+  want = logical_arrays(nnx.state(model, nnx.LoRAParam))
+  got = logical_arrays(nnx.state(again, nnx.LoRAParam))
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))

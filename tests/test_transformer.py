@@ -1,5 +1,7 @@
 """The parallel transformer against models/reference.py from the same seed."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -364,3 +366,81 @@ def test_the_start_up_parameter_count_is_the_models_on_every_mesh(meshes, preset
   for spec, options in (("1x1", {}), ("4x2", {"fsdp": True}), ("1x8", {"scan_layers": True})):
     model = Transformer(cfg, mesh=meshes[spec], rngs=nnx.Rngs(0), execution=Execution(**options))
     assert param_summary(nnx.state(model, nnx.Param))["params"] == want, spec
+
+
+# -- DeepSeek-V3's multi-head latent attention ------------------------------------------------
+
+# 6 heads of q/k 6 + 4 rotary dims (none divide 4 or 8), values 5 (padded to 10) or 12
+# (q/k padded to 12); q through its own latent of 7, or one projection; biases on the
+# down projections and o.
+MLA = dict(num_kv_heads=None, head_dim=10, qk_rope_head_dim=4, kv_lora_rank=10,
+           qkv_bias=True, attn_out_bias=True)
+
+
+@pytest.mark.parametrize("latent,mesh_spec,options", [
+    (dict(q_lora_rank=7, v_head_dim=5), "2x4", {}),
+    pytest.param(dict(v_head_dim=12), "1x3", dict(sequence_parallel=True, scan_layers=True),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(q_lora_rank=7, v_head_dim=5), "4x2",
+                 dict(sequence_parallel=True, fsdp=True, remat="block"),
+                 marks=pytest.mark.slow)])
+def test_latent_attention_equivalence(meshes, latent, mesh_spec, options):
+  """Init (bitwise), logits, loss, every gradient and 3 AdamW steps against the plain-Flax
+  reference, which writes transformers' DeepseekV3Attention out."""
+  cfg = TransformerConfig.preset("llama-tiny", **MLA, **latent)
+  ref_model, ref_losses, ref_grads, ref_params = reference_run(cfg)
+  _, execution = split_execution(options)
+  model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0), execution=execution)
+  if not options:
+    assert_state_close(model, ref_model, rtol=0, atol=0)
+  np.testing.assert_allclose(jax.jit(lambda t: model(t))(TOKENS[:, :-1]),
+                             ref_model(TOKENS[:, :-1]), rtol=1e-5, atol=1e-5)
+  trainer = Trainer(model, tx())
+  tokens = jax.device_put(TOKENS, trainer.batch_sharding)
+  loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
+  np.testing.assert_allclose(loss, ref_losses[0], rtol=1e-6)
+  if not options:
+    assert_state_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
+  params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
+  losses = []
+  for _ in range(STEPS):
+    params, opt_state, out = trainer.train_step(params, opt_state, tokens, None)
+    losses.append(float(out["loss"]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  if not options:
+    assert_state_close(params, ref_params, rtol=1e-5, atol=1e-5)
+    assert assert_padding_zero(params) > 0
+
+
+def test_latent_attention_communicates_like_megatron(meshes):
+  """Per block Megatron's four all-reduces over "model", the backward one of the latents'
+  cotangents [b, s, q_lora + kv_lora + rope] (7 + 6 + 4 here) instead of x's [b, s, d]
+  (one ``copy_to_parallel`` on the latents, the rotary key's included). With sequence
+  parallelism the down projections run on the device's block and the latents are
+  all-gathered for the attention, not x: per block one gather and one reduce-scatter of
+  the latents' width replace x's, and nothing else changes."""
+  def found(layers, sequence_parallel, **latent):
+    cfg = TransformerConfig.preset("llama-tiny", num_layers=layers, **latent)
+    mesh = meshes["2x4"]
+    trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0),
+                                  execution=Execution(sequence_parallel=sequence_parallel)),
+                      tx())
+    hlo = trainer.train_step.lower(trainer.params, trainer.init_opt_state(trainer.params),
+                                   jax.device_put(TOKENS, trainer.batch_sharding),
+                                   None).compile().as_text()
+    return [c for c in collectives(hlo, mesh) if c.axes == ("model",)]
+  latent = dict(MLA, qkv_bias=False, attn_out_bias=False, kv_lora_rank=6, q_lora_rank=7,
+                v_head_dim=5)
+  d, width = 24, 7 + 6 + 4
+  widths = lambda cs, kind: collections.Counter(
+      shape[-1] for c in cs if c.kind == kind for _, shape in c.operands if len(shape) == 3)
+  one, two = found(1, False, **latent), found(2, False, **latent)
+  assert len(two) - len(one) == 4  # one block's all-reduces
+  assert widths(two, "all-reduce") - widths(one, "all-reduce") == {d: 3, width: 1}
+  sp = lambda **kw: collections.Counter((c.kind, c.operands[0][1][-1]) for c in found(2, True, **kw)
+                                        if c.kind in ("all-gather", "reduce-scatter"))
+  mla, plain, layers = sp(**latent), sp(), 2
+  assert mla[("all-gather", width)] == mla[("reduce-scatter", width)] == layers
+  assert mla[("all-gather", d)] == plain[("all-gather", d)] - layers
+  assert mla[("reduce-scatter", d)] == plain[("reduce-scatter", d)] - layers
+  assert sum(mla.values()) == sum(plain.values())
