@@ -809,12 +809,7 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
   if not isinstance(hf, dict):
     raise HFConfigError(f"config.json holds a {type(hf).__name__}, not an object of fields")
   family = family_of(hf)
-  if hf.get("quantization_config"):
-    method = hf["quantization_config"].get("quant_method") if isinstance(
-        hf["quantization_config"], dict) else None
-    raise HFConfigError(f"quantization_config ({method or hf['quantization_config']!r}) is not "
-                        "read: flax_tp loads float checkpoints (dequantize it first, e.g. "
-                        "transformers' from_pretrained then save_pretrained)")
+  fp8_block_size(hf)  # (a quantization it cannot read is named here)
   fields = _shared(hf)
   fields.update(_rope_fields(hf) if family.model_type not in _PER_LAYER_TYPE_ROPE else {})
   fields.update(family.read(hf, fields))
@@ -822,6 +817,30 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     return TransformerConfig(**fields, family=family.name)
   except ValueError as err:
     raise HFConfigError(f"{family.model_type} config: {err}") from None
+
+
+def fp8_block_size(hf: dict[str, Any]) -> tuple[int, int] | None:
+  """The ``[rows, cols]`` blocks of an FP8 block-quantized checkpoint (DeepSeek-V3's
+  ``quantization_config``: ``quant_method`` fp8, ``fmt`` e4m3, ``weight_block_size``),
+  whose weights ``load_hf`` dequantizes; None for a float checkpoint. Any other
+  quantization is named (MXFP4, bitsandbytes, GPTQ...: not read)."""
+  quant = hf.get("quantization_config")
+  if not quant:
+    return None
+  method = quant.get("quant_method") if isinstance(quant, dict) else None
+  if method != "fp8":
+    raise HFConfigError(f"quantization_config ({method or quant!r}) is not read: flax_tp "
+                        "dequantizes FP8 block-quantized checkpoints only (for another, "
+                        "load a float copy, e.g. transformers' from_pretrained then "
+                        "save_pretrained)")
+  if quant.get("fmt", "e4m3") != "e4m3":
+    raise HFConfigError(f"quantization_config fmt {quant['fmt']!r} is not read (FP8 e4m3 is)")
+  block = quant.get("weight_block_size")
+  if (not isinstance(block, list) or len(block) != 2
+      or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    raise HFConfigError(f"quantization_config weight_block_size is {block!r}; expected "
+                        "[rows, cols] of positive integers (per-tensor FP8 is not read)")
+  return tuple(block)
 
 
 def mtp_prefixes(hf: dict[str, Any], cfg: TransformerConfig) -> tuple[str, ...]:

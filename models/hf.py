@@ -18,6 +18,7 @@ each part is split over the devices in whole heads as the unfused model's is.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import warnings
@@ -39,6 +40,7 @@ from models.families import (
   HFConfigError,
   config_from_hf,
   config_to_hf,
+  fp8_block_size,
   mtp_prefixes,
   tensor_names,
 )
@@ -159,12 +161,78 @@ class _Tensors:
     from safetensors import safe_open
     if name not in self.files:
       raise HFConfigError(f"the checkpoint lacks tensor {name!r}")
+    raw = self.raw_dtype(name)
+    if raw in _RAW_DTYPES:  # FP8 weights and UE8M0 scales, which safetensors' numpy lacks
+      return _read_raw(self.files[name], name, _RAW_DTYPES[raw])
     try:
       with safe_open(self.files[name], framework="flax") as f:  # bfloat16 too
         return np.asarray(f.get_tensor(name), np.float32)
     except Exception as err:  # a file cut short after its header
       raise HFConfigError(f"cannot read tensor {name!r} from {str(self.files[name])!r}: "
                           f"{err}") from None
+
+
+  def raw_dtype(self, name: str) -> str:
+    """The safetensors dtype of tensor ``name`` as its file's header says (``F32``,
+    ``BF16``, ``F8_E4M3``, ``U8``...)."""
+    return _header(self.files[name])[name]["dtype"]
+
+
+def _ml_dtype(name: str):
+  import ml_dtypes  # (jax's own dependency)
+  return np.dtype(getattr(ml_dtypes, name))
+
+
+# The dtypes read from a file's bytes (safetensors' numpy and flax readers do not map
+# FP8): as their numpy type.
+_RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U8": "uint8"}
+
+
+def _header(path: Path) -> dict:
+  """A safetensors file's header: each tensor's dtype, shape and byte offsets."""
+  stat = os.stat(path)
+  return _header_of(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _header_of(path: str, mtime_ns: int, size: int) -> dict:
+  """(the file as it is now: a rewritten file is read again)"""
+  with open(path, "rb") as f:
+    size = int.from_bytes(f.read(8), "little")
+    return json.loads(f.read(size)) | {"__start__": 8 + size}
+
+
+def _read_raw(path: Path, name: str, dtype: str) -> np.ndarray:
+  """Tensor ``name`` of ``path`` from its bytes, as ``dtype`` (``_RAW_DTYPES``'), in
+  float32 (a UE8M0 scale's byte ``e`` is ``2 ** (e - 127)``)."""
+  header = _header(path)
+  entry = header[name]
+  begin, end = entry["data_offsets"]
+  with open(path, "rb") as f:
+    f.seek(header["__start__"] + begin)
+    data = f.read(end - begin)
+  kind = np.dtype("uint8") if dtype == "uint8" else _ml_dtype(dtype)
+  value = np.frombuffer(data, kind).reshape(entry["shape"])
+  if dtype == "uint8":
+    return np.exp2(value.astype(np.float32) - 127.0)
+  return value.astype(np.float32)
+
+
+def dequantized(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
+                name: str) -> np.ndarray:
+  """An FP8 block-quantized ``weight [..., out, in]`` (in float32) times its per-block
+  ``scale_inv [..., ceil(out / rows), ceil(in / cols)]`` (DeepSeek-V3's
+  ``weight_dequant``; the last blocks of an uneven dim are partial), exactly: an FP8 value
+  times a float32 scale is one float32 product."""
+  rows, cols = weight.shape[-2:]
+  grid = (-(-rows // block[0]), -(-cols // block[1]))
+  if tuple(scale_inv.shape) != weight.shape[:-2] + grid:
+    raise HFConfigError(f"tensor {name + '_scale_inv'!r} has shape {tuple(scale_inv.shape)}; "
+                        f"weight_block_size {list(block)} over {name!r} "
+                        f"{tuple(weight.shape)} gives {weight.shape[:-2] + grid}")
+  scale = np.repeat(np.repeat(scale_inv, block[0], axis=-2)[..., :rows, :], block[1],
+                    axis=-1)[..., :cols]
+  return (weight * scale).astype(np.float32)
 
 
 def read_config(path: str | Path, **overrides) -> TransformerConfig:
@@ -230,8 +298,19 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
   # one tensor per expert as save_pretrained writes them.
   experts_fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in tensors.files)
   experts: dict[tuple, tuple[np.ndarray, set]] = {}  # path -> (experts so far, which)
+  # FP8 block-quantized weights (DeepSeek-V3's release): each read with its scales and
+  # dequantized to float32.
+  hf_config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+  block = fp8_block_size(hf_config)
   for tensor in tensor_names(cfg, experts_fused):
     value = tensors.get(tensor.name)
+    scale_name = tensor.name + "_scale_inv"
+    if block is not None and scale_name in tensors.files:
+      value = dequantized(value, tensors.get(scale_name), block, tensor.name)
+      used.add(scale_name)
+    elif tensors.raw_dtype(tensor.name) in ("F8_E4M3", "F8_E5M2"):
+      raise HFConfigError(f"tensor {tensor.name!r} is FP8 without {scale_name!r} (or without "
+                          "an fp8 quantization_config): its scale is unknown")
     if tensor.rows is not None:  # rows flax_tp holds in another order (DeepSeek's rotary)
       if value.shape[_rows_axis(value)] != len(tensor.rows):
         raise HFConfigError(f"tensor {tensor.name!r} has {value.shape[_rows_axis(value)]} "
@@ -262,7 +341,7 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
                                                else set()))
   # DeepSeek-V3's and GLM-4.5's multi-token-prediction layers: a causal LM does not run
   # them (transformers skips them too); skipped by name, and said.
-  mtp = mtp_prefixes(json.loads((directory / "config.json").read_text(encoding="utf-8")), cfg)
+  mtp = mtp_prefixes(hf_config, cfg)
   skipped = [name for name in unused if name.startswith(mtp)] if mtp else []
   if skipped:
     unused = [name for name in unused if name not in set(skipped)]

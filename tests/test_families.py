@@ -348,7 +348,12 @@ def _config(name):
     ("qwen3", {"model_type": "qwen3_moe"}, "lacks 'num_experts'"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
     ("qwen2_moe", {"mlp_only_layers": "0"}, "mlp_only_layers"),
-    ("glm4_moe", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config \\('fp8'"),
+    ("glm4_moe", {"quantization_config": {"quant_method": "fp8"}},
+     "weight_block_size is None"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "mxfp4"}},
+     "quantization_config \\('mxfp4'"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8", "fmt": "e5m2",
+                                             "weight_block_size": [128, 128]}}, "fmt 'e5m2'"),
     ("glm4_moe", {"first_k_dense_replace": 2}, "first_k_dense_replace 2 leaves no MoE layer"),
     ("glm4_moe", {"n_group": 2}, "expert_groups 2 must divide num_experts 9"),
     ("glm4_moe", {"topk_method": "greedy"}, "topk_method 'greedy'"),
@@ -543,6 +548,56 @@ def test_a_moe_family_fine_tunes_resumes_exports_and_transformers_reads_it(tmp_p
     expected = theirs(torch.as_tensor(ids)).logits.numpy()
   np.testing.assert_allclose(jax.jit(lambda t: ours(t))(jnp.asarray(ids, jnp.int32)),
                              expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh_spec", ["2x4", pytest.param("1x3", marks=pytest.mark.slow)])
+def test_an_fp8_checkpoint_is_dequantized_exactly(tmp_path, meshes, mesh_spec):
+  """DeepSeek-V3's release format (fixture: every decoder weight matrix float8_e4m3fn with
+  a float32 ``weight_scale_inv`` per 4 x 8 block, partial blocks at the edges): each weight
+  is its FP8 values times its blocks' scales, bitwise as torch computes them, and the
+  model gives transformers' logits and loss for those weights. ``save_hf`` writes the
+  float model (no quantization_config)."""
+  from models.hf import to_hf_state_dict
+  folder = FIXTURES / "deepseek_v3_fp8"
+  model = load_hf(folder, meshes[mesh_spec])
+  expected = np.load(folder / "expected.npz")
+  ours = to_hf_state_dict(nnx.state(model, nnx.Param), model.cfg)
+  dequantized = [k for k in expected.files if k.startswith("dequantized:")]
+  assert len(dequantized) == 2 * 5 + 3 + 3 * (9 + 1)  # attention x 2, a dense MLP, experts
+  for key in dequantized:
+    np.testing.assert_array_equal(ours[key[len("dequantized:"):]], expected[key], err_msg=key)
+  ids = jnp.asarray(expected["ids"], jnp.int32)
+  np.testing.assert_allclose(jax.jit(lambda t: model(t))(ids), expected["logits"], rtol=1e-5,
+                             atol=1e-5)
+  trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
+  loss, _ = jax.jit(trainer.loss_and_grads)(trainer.params,
+                                            jax.device_put(ids, trainer.batch_sharding))
+  np.testing.assert_allclose(loss, expected["loss"], rtol=1e-6)
+  save_hf(model, tmp_path / "float")
+  assert "quantization_config" not in json.loads((tmp_path / "float" / "config.json").read_text())
+  from safetensors.numpy import load_file
+  written = load_file(tmp_path / "float" / "model.safetensors")
+  assert set(written) == set(ours)
+  for key, value in written.items():
+    np.testing.assert_array_equal(value, ours[key], err_msg=key)
+
+
+@pytest.mark.parametrize("how,named", [
+    ("no scale", "model.layers.1.self_attn.kv_b_proj.weight"),
+    ("scale shape", "model.layers.0.mlp.down_proj.weight_scale_inv"),
+])
+def test_an_fp8_weight_without_its_scales_is_refused_naming_it(tmp_path, meshes, how, named):
+  from safetensors.torch import load_file, save_file
+  folder = _copy("deepseek_v3_fp8", tmp_path / "m")
+  tensors = load_file(folder / "model.safetensors")
+  if how == "no scale":
+    del tensors[named + "_scale_inv"]
+  else:
+    tensors[named] = tensors[named][:, :-1].contiguous()
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(HFConfigError) as err:
+    load_hf(folder, meshes["1x2"])
+  assert named in str(err.value) and "\n" not in str(err.value)
 
 
 def test_latent_attention_is_written_only_as_deepseek_v3():
