@@ -408,6 +408,12 @@ ADDED_FIELDS = frozenset((
     "v_head_dim", "rope_interleave"))
 
 
+# The presets too large to build with random weights on one host (their params alone
+# are terabytes): the benchmarks compile them from abstract shapes; a run starts from a
+# checkpoint (train/run.py --init-from). Each with what it is.
+ABSTRACT_ONLY = {"deepseek-v3": "DeepSeek-V3's 671B params (7.3 TiB with AdamW in float32)"}
+
+
 def check_architecture_fields(overrides: dict) -> None:
   """Refuses, naming it, an execution option given where architecture fields go (they
   were ``TransformerConfig`` fields before the execution record)."""
@@ -466,4 +472,19 @@ PRESETS: dict[str, dict] = {
                       embed_scale=True, attn_scale=256 ** -0.5, sandwich_norm=True,
                       sliding_window=512, family="gemma3_text",
                       layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(26))),
+    # deepseek-ai/DeepSeek-V3 (671B): latent attention (128 heads of 128 + 64, values 128,
+    # latents 1536 / 512), yarn over 4096 positions (factor 40, mscale_all_dim 1 on the
+    # scores), top-8 of 256 experts by sigmoid scores from the best 4 of 8 groups, one
+    # shared expert, the first 3 layers dense; FP8 on disk (load_hf dequantizes it).
+    "deepseek-v3": dict(vocab_size=129280, d_model=7168, num_heads=128, head_dim=192,
+                        d_ff=18432, num_layers=61, max_seq_len=2048, tie_embeddings=False,
+                        **{**_LLAMA, "norm_eps": 1e-6}, kv_lora_rank=512, q_lora_rank=1536,
+                        qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True,
+                        rope_scaling=RopeScaling("yarn", 40.0, original_max_len=4096),
+                        attn_scale=192 ** -0.5 * (0.1 * math.log(40.0) + 1.0) ** 2,
+                        family="deepseek_v3", num_experts=256, experts_per_token=8,
+                        expert_d_ff=2048, shared_expert_d_ff=2048, shared_expert_gated=False,
+                        moe_layers=tuple(range(3, 61)), router_score="sigmoid",
+                        router_selection_bias=True, expert_groups=8,
+                        expert_groups_per_token=4, routed_scale=2.5),
 }

@@ -241,6 +241,8 @@ def test_no_blank_line_before_an_error_on_a_cold_cache(tmp_path, monkeypatch, ca
     # Mixtral's softmax router has no selection bias to move
     (["--preset", "moe-tiny", "--router-bias-rate", "0.001"], "--router-bias-rate 0.001 "
      "moves a router's selection bias (DeepSeek-V3, GLM-4.5); this model's routers have none"),
+    (["--preset", "deepseek-v3"], "--preset deepseek-v3 is DeepSeek-V3's 671B params (7.3 "
+     "TiB with AdamW in float32): its shapes are for the benchmarks' abstract compiles"),
     (["--expert-axes", "data,model"], "--expert-axes data,model is for a model with experts"),
     (["--expert-axes", "context"], "--expert-axes: bad expert axes 'context': no 'data'"),
     (["--expert-axes", "data,stage"], "unknown role 'stage'"),

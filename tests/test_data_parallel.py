@@ -45,7 +45,7 @@ def train(mesh, cfg, steps=2, **execution):
 
 @pytest.mark.parametrize("preset,mesh_spec,options", [
     ("llama-tiny", "2x4", {}),
-    ("llama-tiny", "2x4", dict(remat="block")),
+    pytest.param("llama-tiny", "2x4", dict(remat="block"), marks=pytest.mark.slow),
     ("llama-tiny", "4x2", dict(sequence_parallel=True, remat="block", scan_layers=True)),
     ("llama-tiny", "1x8", {}),
     ("tiny", "2x4", {}),  # biases: q/k/v's model shards split over "data" too

@@ -100,8 +100,9 @@ def test_family_equals_transformers(meshes, name, mesh_spec):
     ("mistral", "1x8", Execution(sequence_parallel=True, scan_layers=True)),
     ("mixtral", "4x2", Execution(scan_layers=True, fsdp=True, remat="block")),
     # its dense and MoE layers scanned as runs of one kind, experts under SP and FSDP
-    ("qwen2_moe", "2x4", Execution(scan_layers=True, sequence_parallel=True, fsdp=True,
-                                   remat="dots_saveable")),
+    pytest.param("qwen2_moe", "2x4", Execution(scan_layers=True, sequence_parallel=True,
+                                               fsdp=True, remat="dots_saveable"),
+                 marks=pytest.mark.slow),
     # GLM-4.5's 9 experts whole on the 8 devices of 2x4 (two on one), its router over
     # scanned runs of a dense and a MoE layer, under SP and FSDP
     ("glm4_moe", "2x4", Execution(expert_axes=("data", "model"), scan_layers=True,
@@ -656,3 +657,34 @@ def test_deepseek_v3_fine_tunes_resumes_exports_and_generates(tmp_path, capsys):
   assert cli.main(["--checkpoint", str(moved), "--mesh", "1x3", "--prompt", "def f(",
                    "--max-new-tokens", "5"]) == 0
   assert capsys.readouterr().out.startswith("def f(")
+
+
+def test_the_deepseek_v3_preset_is_the_released_config():
+  """``TransformerConfig.preset("deepseek-v3")`` (the benchmarks' abstract shapes) is what
+  ``config_from_hf`` reads from deepseek-ai/DeepSeek-V3's config.json (its fields as
+  released, FP8 quantization_config included)."""
+  released = {
+      "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+      "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+      "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+      "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+      "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+      "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+      "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
+      "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+      "rope_theta": 10000, "attention_bias": False, "num_nextn_predict_layers": 1,
+      "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                       "type": "yarn"},
+      "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                              "quant_method": "fp8", "weight_block_size": [128, 128]}}
+  preset = TransformerConfig.preset("deepseek-v3", max_seq_len=163840)
+  assert config_from_hf(released) == preset
+
+
+@pytest.mark.slow
+def test_the_deepseek_v3_preset_holds_671b_params():
+  """The model of the preset (the reference's, from abstract shapes) holds DeepSeek-V3's
+  671B params: its attention, experts and shared experts as the release counts them."""
+  from bench.harness import param_count
+  assert round(param_count(TransformerConfig.preset("deepseek-v3")) / 1e9) == 671

@@ -205,7 +205,8 @@ LIVE = dict(vocab_size=61, hidden_size=16, intermediate_size=22, num_hidden_laye
 
 
 @pytest.mark.parametrize("kind,extra,mesh_spec", [
-    ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True), "1x8"),  # MQA
+    pytest.param("llama", dict(num_key_value_heads=1, tie_word_embeddings=True), "1x8",
+                 marks=pytest.mark.slow),  # MQA (fast: gemma's fixture, one kv head on 1x8)
     ("llama", dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True), "2x4"),
     ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=False), "1x3"),
 ])

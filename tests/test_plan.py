@@ -315,7 +315,8 @@ EVEN = dict(num_heads=8, num_kv_heads=4, d_ff=96, vocab_size=256, tie_embeddings
 
 
 @pytest.mark.parametrize("mesh_spec,sizes", [
-    ("2x4", EVEN), pytest.param("1x3", dict(tie_embeddings=False), marks=pytest.mark.slow),
+    pytest.param("2x4", EVEN, marks=pytest.mark.slow),
+    pytest.param("1x3", dict(tie_embeddings=False), marks=pytest.mark.slow),
     ("1x3", "gemma3_text")])
 def test_the_reference_transformer_parallelized_equals_flax_tps(meshes, mesh_spec, sizes):
   """models/reference.py (Llama-style: GQA, SwiGLU, RMSNorm; or Gemma 3's: q/k norms,

@@ -412,35 +412,49 @@ def test_latent_attention_equivalence(meshes, latent, mesh_spec, options):
     assert assert_padding_zero(params) > 0
 
 
+def _model_collectives(meshes, layers, sequence_parallel, **latent):
+  """The collectives over "model" of the compiled train step of llama-tiny (``latent``:
+  its MLA fields) on 2x4."""
+  cfg = TransformerConfig.preset("llama-tiny", num_layers=layers, **latent)
+  mesh = meshes["2x4"]
+  trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0),
+                                execution=Execution(sequence_parallel=sequence_parallel)), tx())
+  hlo = trainer.train_step.lower(trainer.params, trainer.init_opt_state(trainer.params),
+                                 jax.device_put(TOKENS, trainer.batch_sharding),
+                                 None).compile().as_text()
+  return [c for c in collectives(hlo, mesh) if c.axes == ("model",)]
+
+
+# q/k 6 + 4, values 5, latents 7 (q) + 6 (kv) + 4 (the rotary key)
+LATENT = dict(MLA, qkv_bias=False, attn_out_bias=False, kv_lora_rank=6, q_lora_rank=7,
+              v_head_dim=5)
+LATENT_WIDTH = 7 + 6 + 4
+
+
 def test_latent_attention_communicates_like_megatron(meshes):
   """Per block Megatron's four all-reduces over "model", the backward one of the latents'
-  cotangents [b, s, q_lora + kv_lora + rope] (7 + 6 + 4 here) instead of x's [b, s, d]
-  (one ``copy_to_parallel`` on the latents, the rotary key's included). With sequence
-  parallelism the down projections run on the device's block and the latents are
-  all-gathered for the attention, not x: per block one gather and one reduce-scatter of
-  the latents' width replace x's, and nothing else changes."""
-  def found(layers, sequence_parallel, **latent):
-    cfg = TransformerConfig.preset("llama-tiny", num_layers=layers, **latent)
-    mesh = meshes["2x4"]
-    trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0),
-                                  execution=Execution(sequence_parallel=sequence_parallel)),
-                      tx())
-    hlo = trainer.train_step.lower(trainer.params, trainer.init_opt_state(trainer.params),
-                                   jax.device_put(TOKENS, trainer.batch_sharding),
-                                   None).compile().as_text()
-    return [c for c in collectives(hlo, mesh) if c.axes == ("model",)]
-  latent = dict(MLA, qkv_bias=False, attn_out_bias=False, kv_lora_rank=6, q_lora_rank=7,
-                v_head_dim=5)
-  d, width = 24, 7 + 6 + 4
+  cotangents [b, s, q_lora + kv_lora + rope] instead of x's [b, s, d] (one
+  ``copy_to_parallel`` on the latents, the rotary key's included)."""
+  d = 24
   widths = lambda cs, kind: collections.Counter(
       shape[-1] for c in cs if c.kind == kind for _, shape in c.operands if len(shape) == 3)
-  one, two = found(1, False, **latent), found(2, False, **latent)
+  one = _model_collectives(meshes, 1, False, **LATENT)
+  two = _model_collectives(meshes, 2, False, **LATENT)
   assert len(two) - len(one) == 4  # one block's all-reduces
-  assert widths(two, "all-reduce") - widths(one, "all-reduce") == {d: 3, width: 1}
-  sp = lambda **kw: collections.Counter((c.kind, c.operands[0][1][-1]) for c in found(2, True, **kw)
-                                        if c.kind in ("all-gather", "reduce-scatter"))
-  mla, plain, layers = sp(**latent), sp(), 2
-  assert mla[("all-gather", width)] == mla[("reduce-scatter", width)] == layers
+  assert widths(two, "all-reduce") - widths(one, "all-reduce") == {d: 3, LATENT_WIDTH: 1}
+
+
+@pytest.mark.slow
+def test_sequence_parallel_latent_attention_gathers_the_latents(meshes):
+  """With sequence parallelism the down projections run on the device's block and the
+  latents are all-gathered for the attention, not x: per block one gather and one
+  reduce-scatter of the latents' width replace x's, and nothing else changes."""
+  d, layers = 24, 2
+  sp = lambda **kw: collections.Counter(
+      (c.kind, c.operands[0][1][-1]) for c in _model_collectives(meshes, layers, True, **kw)
+      if c.kind in ("all-gather", "reduce-scatter"))
+  mla, plain = sp(**LATENT), sp()
+  assert mla[("all-gather", LATENT_WIDTH)] == mla[("reduce-scatter", LATENT_WIDTH)] == layers
   assert mla[("all-gather", d)] == plain[("all-gather", d)] - layers
   assert mla[("reduce-scatter", d)] == plain[("reduce-scatter", d)] - layers
   assert sum(mla.values()) == sum(plain.values())

@@ -35,7 +35,7 @@ if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there i
 from flax_tp.context import STRATEGIES as CONTEXT_STRATEGIES
 from flax_tp.mesh import MeshAxes
 from flax_tp.remat import REMAT_CHOICES
-from models.config import TransformerConfig
+from models.config import ABSTRACT_ONLY, TransformerConfig
 from models.execution import Execution
 from train import distributed as train_distributed
 from train.cli import INT_MAX, SEED_LIMIT, UsageParser, exit_ladder, one_line
@@ -228,6 +228,10 @@ def check_args(args: argparse.Namespace) -> None:
   if args.expert_drop_policy != "probs" and args.expert_capacity_factor is None:
     raise UsageError("--expert-drop-policy needs --expert-capacity-factor (without one "
                      "nothing is dropped)")
+  if args.preset in ABSTRACT_ONLY:
+    raise UsageError(f"--preset {args.preset} is {ABSTRACT_ONLY[args.preset]}: its shapes are "
+                     "for the benchmarks' abstract compiles (bench.families); train from "
+                     "its checkpoint with --init-from")
   if not_utf8(args.sample_prompt):
     raise UsageError(f"--sample-prompt: {not_utf8(args.sample_prompt)}")
   if args.resume and args.overwrite:
