@@ -113,8 +113,9 @@ def abstract_step(cfg, mesh, batch: int, seq: int, keep: dict | None = None,
                     replicated)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-  opt_state = jax.tree_util.tree_map_with_path(like_its_param,
-                                               jax.eval_shape(trainer.tx.init, params))
+  # (over what the optimizer trains: a selection bias or a LoRA base has no moments)
+  opt_state = jax.tree_util.tree_map_with_path(
+      like_its_param, jax.eval_shape(lambda p: trainer.tx.init(trainer.trained(p)), params))
   tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=trainer.batch_sharding)
   if keep is not None:
     keep.update(params=params, opt_state=opt_state)

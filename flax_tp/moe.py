@@ -521,7 +521,9 @@ class MoE(ParallelModule):
     """An experts' weight drawn whole (as one ``init`` call on the logical shape), padded
     on the experts (over ``expert_axes``) and the FFN width (over "model", unless the
     experts are split over it), and placed."""
-    full = np.asarray(init(rngs.params(), shape, self.param_dtype))
+    full = init(rngs.params(), shape, self.param_dtype)
+    if not isinstance(full, jax.core.Tracer):  # (traced under nnx.eval_shape: stays so)
+      full = np.asarray(full)  # pad on the host, as flax_tp.params.sharded_param does
     names = [None, None, None]
     axes = self.expert_axes
     names[0] = axes[0] if len(axes) == 1 else axes if axes else None

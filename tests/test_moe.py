@@ -981,3 +981,29 @@ def test_transformer_with_a_capacity_trains_as_the_reference(meshes, mesh_spec, 
                                  placed, None)
   np.testing.assert_allclose(float(out["expert_dropped"]), dropped / (2 * 8 * 17 * 2),
                              rtol=1e-6)
+
+
+def test_a_moe_transformer_builds_from_abstract_shapes(meshes):
+  """``nnx.eval_shape`` of a model with experts and selection biases (abstract init: a
+  restore target, memory figures) gives the built model's stored shapes and shardings,
+  and its train step compiles from them (``bench.memory.abstract_step``: the optimizer's
+  moments only for what it trains)."""
+  from bench.memory import abstract_step
+  from models.config import TransformerConfig
+  from models.execution import Execution
+  from models.transformer import Transformer
+  cfg = TransformerConfig.preset("moe-tiny", router_score="sigmoid",
+                                 router_selection_bias=True, shared_expert_d_ff=20,
+                                 shared_expert_gated=False)
+  mesh = meshes["2x4"]
+  build = lambda: Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0),
+                              execution=Execution(expert_axes=("data", "model")))
+  built = nnx.to_flat_state(nnx.state(build(), nnx.Param))
+  abstract = nnx.to_flat_state(nnx.state(nnx.eval_shape(build), nnx.Param))
+  assert [path for path, _ in abstract] == [path for path, _ in built]
+  for (path, a), (_, b) in zip(abstract, built, strict=True):
+    a, b = a.get_value(), b.get_value()
+    assert a.shape == b.shape, path
+    assert a.sharding.is_equivalent_to(b.sharding, len(a.shape)), path
+  compiled, _ = abstract_step(cfg, mesh, 8, 16, execution=dict(expert_axes=("data", "model")))
+  assert compiled.memory_analysis().argument_size_in_bytes > 0
