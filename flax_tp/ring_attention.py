@@ -19,6 +19,12 @@ around again, the other way round, together with the accumulators of its gradien
 which arrive back at their owner after ``C`` steps (FlashAttention-2's backward per block). Memory stays
 that of two blocks, not the ``C`` blocks autodiff of the forward would keep.
 
+Attention sinks (GPT-OSS: a learned logit per head in each row's denominator, taking no
+value) join at the end: the keys' log-sum-exp ``lse`` becomes ``logaddexp(lse, sink)`` and
+the output is scaled by ``exp(lse_keys - lse)``. The backward ring reads the joint ``lse``
+(so its probabilities are the sink-inclusive softmax's), and the sink's gradient is
+``-sum_rows exp(sink - lse) * (dO . O)``: its column's value is zero.
+
 Dropout (on the probabilities) reads the whole sequence's keep-mask at the pair's
 positions, as the all-gather path does, so the result does not depend on the split.
 """
@@ -42,19 +48,21 @@ _NEG = float(np.finfo(np.float32).min)
 @dataclasses.dataclass(frozen=True)
 class RingSpec:
   """What the ring needs to know statically: the split, the scores' scale and
-  soft-cap, and whether a window and dropout apply."""
+  soft-cap, and whether a window, dropout and sinks apply."""
 
   split: ContextSplit
   scale: float
   softcap: float | None = None
   windowed: bool = False
   rate: float = 0.0  # dropout on the probabilities (0: none)
+  sinks: bool = False  # a sink logit per head in each row's denominator
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_index: jax.Array, *,
                    split: ContextSplit, scale: float | None = None,
                    softcap: float | None = None, window: int | jax.Array | None = None,
-                   keep_rows: jax.Array | None = None, rate: float = 0.0) -> jax.Array:
+                   keep_rows: jax.Array | None = None, rate: float = 0.0,
+                   sinks: jax.Array | None = None) -> jax.Array:
   """Causal attention of this device's queries over every context device's keys.
 
   q: ``[b, L, h, d]``, this device's slots (``split.positions()``); k, v: ``[b, L, g, d]``
@@ -62,15 +70,21 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_index: jax.Array
   head reads (grouped-query attention). window: a sliding window (``visible_keys``),
   possibly traced. keep_rows: dropout on the probabilities at ``rate``, the whole
   sequence's keep-mask ``[b, h, L, S]`` (bool) read at this device's query slots (the
-  mask one device draws for the logical sequence), or None.
+  mask one device draws for the logical sequence), or None. sinks: ``[h]``, each local
+  query head's sink logit (None: none).
   returns ``[b, L, h, d]`` in q's dtype. Inside a ``shard_map`` over ``"context"``.
   """
   scale = float(q.shape[-1] ** -0.5) if scale is None else float(scale)
   dropped = keep_rows is not None and rate > 0.0
-  spec = RingSpec(split, scale, softcap, window is not None, rate if dropped else 0.0)
+  spec = RingSpec(split, scale, softcap, window is not None, rate if dropped else 0.0,
+                  sinks is not None)
   window = jnp.asarray(0 if window is None else window, jnp.int32)
   keep_rows = keep_rows if dropped else jnp.zeros((1, 1, 1, 1), bool)  # never read
-  return _ring(spec, q, k, v, kv_index, window, keep_rows)
+  # Typed as varying like q (over data and context): the gradient the backward ring
+  # gives is each device's rows', and this cast's transpose sums it over them.
+  sinks = _varying_like(jnp.zeros((q.shape[2],), jnp.float32) if sinks is None
+                        else sinks.astype(jnp.float32), q)
+  return _ring(spec, q, k, v, kv_index, window, keep_rows, sinks)
 
 
 # -- the pieces of both rings ----------------------------------------------------------
@@ -134,8 +148,8 @@ def _block_positions(spec, step, direction=1):
 # -- forward ring ---------------------------------------------------------------------
 
 
-def _forward(spec, q, k, v, kv_index, window, keep_rows):
-  """(out ``[b, L, h, d]`` q.dtype, lse ``[b, h, L]`` float32)."""
+def _forward(spec, q, k, v, kv_index, window, keep_rows, sinks):
+  """(out ``[b, L, h, d]`` q.dtype, lse ``[b, h, L]`` float32, the sinks' included)."""
   b, length, h, d = q.shape
   parts = spec.split.parts
   qpos, _ = _block_positions(spec, 0)
@@ -171,24 +185,29 @@ def _forward(spec, q, k, v, kv_index, window, keep_rows):
       kv = _shift(kv)
   safe = jnp.where(denom > 0, denom, 1.0)  # a row that sees nothing (padding): output 0
   out = o / jnp.swapaxes(safe, 1, 2)[..., None]
-  return out.astype(q.dtype), m + jnp.log(safe)
+  lse = m + jnp.log(safe)
+  if spec.sinks:  # the sink's column in the denominator: rescale by the keys' share
+    joint = jnp.logaddexp(lse, sinks[None, :, None])
+    out = out * jnp.swapaxes(jnp.exp(lse - joint), 1, 2)[..., None]
+    lse = joint
+  return out.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(spec, q, k, v, kv_index, window, keep_rows):
-  return _forward(spec, q, k, v, kv_index, window, keep_rows)[0]
+def _ring(spec, q, k, v, kv_index, window, keep_rows, sinks):
+  return _forward(spec, q, k, v, kv_index, window, keep_rows, sinks)[0]
 
 
-def _ring_fwd(spec, q, k, v, kv_index, window, keep_rows):
-  out, lse = _forward(spec, q, k, v, kv_index, window, keep_rows)
-  return out, (q, k, v, kv_index, window, keep_rows, out, lse)
+def _ring_fwd(spec, q, k, v, kv_index, window, keep_rows, sinks):
+  out, lse = _forward(spec, q, k, v, kv_index, window, keep_rows, sinks)
+  return out, (q, k, v, kv_index, window, keep_rows, sinks, out, lse)
 
 
 # -- backward ring --------------------------------------------------------------------
 
 
 def _ring_bwd(spec, saved, d_out):
-  q, k, v, kv_index, window, keep_rows, out, lse = saved
+  q, k, v, kv_index, window, keep_rows, sinks, out, lse = saved
   b, length, h, d = q.shape
   g = k.shape[2]
   parts = spec.split.parts
@@ -236,8 +255,11 @@ def _ring_bwd(spec, saved, d_out):
     if step < parts - 1:
       kv = _shift(kv, -1)
     dkv = _shift(dkv, -1)  # the gradient travels with its block; after C steps it is home
+  # the sink's column: probability exp(sink - lse), value zero, so dS = -P * delta
+  d_sinks = (-jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta, axis=(0, 2))
+             if spec.sinks else jnp.zeros_like(sinks))
   return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
-          None, None, None)
+          None, None, None, d_sinks)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -38,12 +38,17 @@ class AttentionSpec:
   scale: the scores' scale, None for ``head_dim ** -0.5``.
   softcap: scores -> ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2).
   dropout: the rate of dropout on the probabilities (applied only with a ``Dropout``).
+  sinks: per query head ``[h]`` (the heads q holds), a learned logit in each row's
+    softmax denominator that takes no value (GPT-OSS's attention sinks: a row may give
+    less than all its weight to the keys); None for none. Set by the attention module
+    from its params (``with_sinks``).
   """
 
   window: int | jax.Array | None = None
   scale: float | None = None
   softcap: float | None = None
   dropout: float = 0.0
+  sinks: jax.Array | None = None
 
   @classmethod
   def of(cls, cfg: TransformerConfig, layer) -> AttentionSpec:
@@ -52,6 +57,10 @@ class AttentionSpec:
     if scale is None and cfg.attn_dim != cfg.head_dim:  # heads padded to the value width
       scale = cfg.head_dim ** -0.5
     return cls(layer_kinds.window_of(cfg, layer), scale, cfg.attn_softcap, cfg.dropout)
+
+  def with_sinks(self, sinks: jax.Array | None) -> AttentionSpec:
+    """This spec with the heads' sink logits ``sinks [h]`` (None: unchanged)."""
+    return self if sinks is None else dataclasses.replace(self, sinks=sinks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +118,11 @@ def core_of(context: ContextSplit | None):
 def local(q, k, v, spec, q_positions, k_positions, kv_index, dropout):
   """The core over keys that are every key a query sees (``attend``'s arguments).
 
-  Without dropout or soft-capping this is ``jax.nn.dot_product_attention`` (XLA's
+  Without dropout, soft-capping or sinks this is ``jax.nn.dot_product_attention`` (XLA's
   implementation: the same formula, scores in float32; a window or positions are its
   mask). Dropout on the probabilities needs them materialised, which no fused kernel
-  exposes, and no fused kernel here soft-caps, so those keep the explicit form.
+  exposes, and no fused kernel here soft-caps or takes a sink, so those keep the
+  explicit form.
   """
   if kv_index is not None:  # each query head's own kv head (replicas straddling groups)
     k, v = jnp.take(k, kv_index, axis=2), jnp.take(v, kv_index, axis=2)
@@ -123,7 +133,7 @@ def local(q, k, v, spec, q_positions, k_positions, kv_index, dropout):
     if spec.window is not None:
       pos = jnp.arange(s)
       mask = visible_keys(pos[:, None], pos[None, :], spec.window)[None, None]
-    if rate == 0.0 and spec.softcap is None:
+    if rate == 0.0 and spec.softcap is None and spec.sinks is None:
       if mask is None and spec.scale is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
       return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=spec.scale, is_causal=True)
@@ -134,7 +144,7 @@ def local(q, k, v, spec, q_positions, k_positions, kv_index, dropout):
     return _explicit(q, k, v, mask, spec, keep)
   mask = visible_keys(q_positions[..., :, None], k_positions[None, :], spec.window)
   mask = mask[None, None] if mask.ndim == 2 else mask[:, None]  # [b | 1, 1, s, t]
-  if rate == 0.0 and spec.softcap is None:
+  if rate == 0.0 and spec.softcap is None and spec.sinks is None:
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=spec.scale)
   keep = None if rate == 0.0 else dropout.keep_at(rate, q_positions, k_positions)
   return _explicit(q, k, v, mask, spec, keep)
@@ -171,7 +181,7 @@ class Ring:
     keep_rows = dropout.keep_rows(rate, self.split.positions()) if rate > 0.0 else None
     return ring_attention(q, k, v, kv_index, split=self.split, scale=spec.scale,
                           softcap=spec.softcap, window=spec.window, keep_rows=keep_rows,
-                          rate=rate)
+                          rate=rate, sinks=spec.sinks)
 
 
 def _over(dropout: Dropout | None, split: ContextSplit) -> Dropout | None:
@@ -195,14 +205,22 @@ def visible_keys(query_pos: jax.Array, key_pos: jax.Array,
 def _explicit(q, k, v, mask, spec, keep):
   """Softmax attention with the probabilities materialised: scores ``[b, h, s, t]`` in
   float32 (soft-capped), ``mask`` (broadcasting to them), dropout's ``keep`` mask or
-  None."""
+  None. With ``spec.sinks`` each head's sink logit joins every row's softmax as one more
+  column whose value is zero (transformers' GPT-OSS: the logits and the sink, less their
+  max, through one softmax, the sink's column dropped)."""
   group = q.shape[2] // k.shape[2]
   if group > 1:
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1])) if spec.scale is None else spec.scale
   scores = jnp.einsum("bqhk,bthk->bhqt", q, k, preferred_element_type=jnp.float32) * scale
   scores = jnp.where(mask, ops.softcap_of(scores, spec.softcap), jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1)
+  if spec.sinks is None:
+    probs = jax.nn.softmax(scores, axis=-1)
+  else:
+    sink = spec.sinks.astype(jnp.float32)[None, :, None, None]  # [1, h, 1, 1]
+    top = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores, -1, keepdims=True), sink))
+    weights = jnp.exp(scores - top)
+    probs = weights / (jnp.sum(weights, -1, keepdims=True) + jnp.exp(sink - top))
   if keep is not None:
     probs = ops.apply_keep(probs, keep, spec.dropout)
   return jnp.einsum("bhqt,bthk->bqhk", probs.astype(v.dtype), v)
