@@ -21,6 +21,7 @@ from flax_tp.moe import (
   Router,
   RouterStats,
   SelectionBias,
+  SwiGLU,
   load_balancing_loss,
   router_z_loss,
 )
@@ -38,6 +39,7 @@ from flax_tp.split_norm import SplitRMSNorm
 from flax_tp.stack import layer_runs, stack_layer_runs, stack_layers
 
 __all__ = [
+    "SwiGLU",
     "all_gather",
     "all_reduce",
     "axis_is_bound",

@@ -267,14 +267,59 @@ def router_z_loss(stats: RouterStats) -> Array:
   return stats.z / stats.tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class SwiGLU:
+  """How an expert gates its FFN: the activation seam, the one place the MoE families
+  differ in their experts' arithmetic.
+
+  ``limit`` None: ``silu(gate) * up`` (Mixtral, Qwen, DeepSeek, GLM). With a ``limit``,
+  GPT-OSS's clamped form (transformers' ``GptOssExperts._apply_gate``): ``gate`` capped
+  above at ``limit``, ``up`` clipped to ``[-limit, limit]``, then ``(up + 1) * gate *
+  sigmoid(alpha * gate)``. Both send a zero gate to zero, so FFN padding stays zero.
+  """
+
+  limit: float | None = None
+  alpha: float = 1.702
+
+  def __post_init__(self):
+    for name in ("limit", "alpha"):
+      value = getattr(self, name)
+      if value is not None and not (isinstance(value, (int, float)) and 0 < value < math.inf):
+        raise ValueError(f"SwiGLU {name} must be a finite number > 0, got {value!r}")
+
+  def __call__(self, gate: Array, up: Array) -> Array:
+    if self.limit is None:
+      return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, self.limit)
+    up = jnp.clip(up, -self.limit, self.limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
+class ExpertBiases(NamedTuple):
+  """This device's experts' biases (GPT-OSS): ``gate, up [E_local, I_local]`` (split as
+  the FFN width is) and ``down [E_local, d]``, zero on the devices that must not add it
+  (the FFN's partial sums over "model" add it once)."""
+
+  gate: Array
+  up: Array
+  down: Array
+
+  def rows(self, slots: Array) -> ExpertBiases:
+    """The biases of each of ``slots [m]``'s experts (``E_local`` for none: zero)."""
+    take = lambda b: jnp.take(b, slots, axis=0, mode="fill", fill_value=0)
+    return ExpertBiases(*(take(b) for b in self))
+
+
 def grouped_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Array,
-                   down: Array, precision: Any = None) -> Array:
+                   down: Array, precision: Any = None, *, biases: ExpertBiases | None = None,
+                   activation: SwiGLU = SwiGLU()) -> Array:
   """The routed tokens through this device's experts, as three grouped matmuls.
 
   ``x [n, d]``; ``slots [n, k]``: the local expert each of a token's choices goes to,
   or ``E_local`` for a choice handled elsewhere; ``weights [n, k]``; ``gate, up
-  [E_local, d, I]``, ``down [E_local, I, d]``. Returns ``[n, d]``: for each token, the
-  weighted sum of its local experts' outputs ``down(silu(gate x) * up x)``.
+  [E_local, d, I]``, ``down [E_local, I, d]``; ``biases`` (or None) added to each
+  matmul's output. Returns ``[n, d]``: for each token, the weighted sum of its local
+  experts' outputs ``down(activation(gate x, up x))``.
 
   The ``n * k`` choices are sorted by expert (permute), run as ``ragged_dot`` over
   contiguous groups (choices handled elsewhere sort last, beyond the groups, and
@@ -287,9 +332,14 @@ def grouped_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Arra
   token = order // k
   sizes = jnp.bincount(flat, length=num_local + 1)[:num_local].astype(jnp.int32)
   xs = x[token]
-  hidden = (jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes, precision=precision))
-            * jax.lax.ragged_dot(xs, up, sizes, precision=precision))
-  ys = jax.lax.ragged_dot(hidden, down, sizes, precision=precision)
+  g = jax.lax.ragged_dot(xs, gate, sizes, precision=precision)
+  u = jax.lax.ragged_dot(xs, up, sizes, precision=precision)
+  if biases is not None:
+    biases = biases.rows(flat[order])
+    g, u = g + biases.gate, u + biases.up
+  ys = jax.lax.ragged_dot(activation(g, u), down, sizes, precision=precision)
+  if biases is not None:
+    ys = ys + biases.down
   kept = jnp.where(flat < num_local, weights.reshape(-1), 0).astype(ys.dtype)[order]
   return jnp.zeros_like(x, dtype=ys.dtype).at[token].add(ys * kept[:, None])
 
@@ -354,17 +404,23 @@ def expert_queues(flat: Array, ranked: Array, position: Array, policy: str,
 
 
 def batched_swiglu(xe: Array, gate: Array, up: Array, down: Array,
-                   precision: Any = None) -> Array:
+                   precision: Any = None, *, biases: ExpertBiases | None = None,
+                   activation: SwiGLU = SwiGLU()) -> Array:
   """Each local expert on its own rows: ``xe [E_local, c, d]`` -> ``[E_local, c, d]``,
-  ``down(silu(gate x) * up x)`` as three batched matmuls of static shape."""
-  hidden = (jax.nn.silu(jnp.einsum("ecd,edi->eci", xe, gate, precision=precision))
-            * jnp.einsum("ecd,edi->eci", xe, up, precision=precision))
-  return jnp.einsum("eci,eid->ecd", hidden, down, precision=precision)
+  ``down(activation(gate x, up x))`` (plus the ``biases``) as three batched matmuls of
+  static shape. An empty row comes out as the biases alone: no one reads it."""
+  g = jnp.einsum("ecd,edi->eci", xe, gate, precision=precision)
+  u = jnp.einsum("ecd,edi->eci", xe, up, precision=precision)
+  if biases is not None:
+    g, u = g + biases.gate[:, None], u + biases.up[:, None]
+  y = jnp.einsum("eci,eid->ecd", activation(g, u), down, precision=precision)
+  return y if biases is None else y + biases.down[:, None]
 
 
 def capacity_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Array,
                     down: Array, capacity: int, policy: str,
-                    precision: Any = None) -> tuple[Array, Array]:
+                    precision: Any = None, *, biases: ExpertBiases | None = None,
+                    activation: SwiGLU = SwiGLU()) -> tuple[Array, Array]:
   """``grouped_swiglu`` with each local expert taking at most ``capacity`` choices.
 
   Each expert keeps, of the choices sent to it, those with the largest routing weight
@@ -389,7 +445,7 @@ def capacity_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Arr
   token = order // k
   buffer = jnp.zeros((outside, d), x.dtype).at[dest].add(x[token], mode="drop")
   ye = batched_swiglu(buffer.reshape(num_local, capacity, d), gate, up, down,
-                      precision).reshape(outside, d)
+                      precision, biases=biases, activation=activation).reshape(outside, d)
   ys = jnp.take(ye, dest, axis=0, mode="fill", fill_value=0)
   scale = jnp.where(kept, w[order], 0).astype(ys.dtype)
   y = jnp.zeros((n, d), ys.dtype).at[token].add(ys * scale[:, None])
@@ -435,6 +491,8 @@ class MoE(ParallelModule):
                shared_d_ff: int | None = None, capacity_factor: float | None = None,
                drop_policy: str = "probs", router: Router | None = None,
                selection_bias: bool = False, shared_gated: bool = True,
+               router_bias: bool = False, expert_bias: bool = False,
+               activation: SwiGLU | None = None,
                dispatcher: str = "all_gather", axis_name: str = MODEL_AXIS,
                expert_axes: str | tuple[str, ...] = MeshAxes.DEFAULT_EXPERT_ROLES,
                dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None,
@@ -491,6 +549,14 @@ class MoE(ParallelModule):
     self.router = sharded_param(router_init, rngs.params(), (d_model, num_experts),
                                 param_dtype, mesh=mesh, axis_name=axis_name, dim=None,
                                 name="router")
+    # A bias on the router's logits (GPT-OSS): it weighs as well as picks, and is
+    # trained. Zeros (HF loads it) draw no key, so the other params are drawn as without.
+    self.router_bias = sharded_param(
+        nnx.initializers.zeros_init(), jax.random.key(0), (num_experts,), param_dtype,
+        mesh=mesh, axis_name=axis_name, dim=None, name="router_bias") if router_bias else None
+    if activation is not None and not isinstance(activation, SwiGLU):
+      raise ValueError(f"activation must be a flax_tp.moe.SwiGLU, got {activation!r}")
+    self.activation = activation or SwiGLU()
     # Float32 whatever param_dtype is (transformers keeps it so): a selection bias is
     # compared with scores ~1e-3 apart. Zeros (HF's init) draw no key: the other params
     # are drawn as without it.
@@ -501,6 +567,14 @@ class MoE(ParallelModule):
     self.gate = self._expert_param(expert_init, rngs, (num_experts, d_model, d_ff), 2)
     self.up = self._expert_param(expert_init, rngs, (num_experts, d_model, d_ff), 2)
     self.down = self._expert_param(expert_init, rngs, (num_experts, d_ff, d_model), 1)
+    # Biases on each expert's three matmuls (GPT-OSS), zeros as transformers inits them
+    # (drawing no key); the down bias is each expert's whole [d], not split over "model".
+    self.expert_bias = expert_bias
+    if expert_bias:
+      zeros, key = nnx.initializers.zeros_init(), jax.random.key(0)
+      self.gate_bias = self._expert_param(zeros, key, (num_experts, d_ff), 1)
+      self.up_bias = self._expert_param(zeros, key, (num_experts, d_ff), 1)
+      self.down_bias = self._expert_param(zeros, key, (num_experts, d_model), None)
     self.shared_d_ff, self.shared_gated = shared_d_ff, shared_gated
     if shared_d_ff:
       dense = dict(mesh=mesh, axis_name=axis_name, use_bias=False, dtype=dtype,
@@ -516,22 +590,26 @@ class MoE(ParallelModule):
           kernel_init, rngs.params(), (d_model, 1), param_dtype, mesh=mesh,
           axis_name=axis_name, dim=None, name="shared_expert_gate") if shared_gated else None
 
-  def _expert_param(self, init: Any, rngs: nnx.Rngs, shape: tuple[int, int, int],
-                    ffn_dim: int) -> nnx.Param:
-    """An experts' weight drawn whole (as one ``init`` call on the logical shape), padded
-    on the experts (over ``expert_axes``) and the FFN width (over "model", unless the
-    experts are split over it), and placed."""
-    full = init(rngs.params(), shape, self.param_dtype)
+  def _expert_param(self, init: Any, rngs: nnx.Rngs | jax.Array, shape: tuple[int, ...],
+                    ffn_dim: int | None) -> nnx.Param:
+    """An experts' weight (or bias) drawn whole (as one ``init`` call on the logical
+    shape; ``rngs`` or a key), padded on the experts (over ``expert_axes``) and on the
+    FFN width ``ffn_dim`` (over "model", unless the experts are split over it; None: no
+    FFN dim), and placed."""
+    key = rngs.params() if isinstance(rngs, nnx.Rngs) else rngs
+    full = init(key, shape, self.param_dtype)
     if not isinstance(full, jax.core.Tracer):  # (traced under nnx.eval_shape: stays so)
       full = np.asarray(full)  # pad on the host, as flax_tp.params.sharded_param does
-    names = [None, None, None]
+    names = [None] * len(shape)
     axes = self.expert_axes
     names[0] = axes[0] if len(axes) == 1 else axes if axes else None
-    names[ffn_dim] = split_over(self.axis_name, self.ffn_layout.parts)
-    stored = self.expert_layout.pad(self.ffn_layout.pad(full, ffn_dim), 0)
-    meta = {NAMES_KEY: tuple(names), MESH_KEY: self.mesh,
-            **keys_of(dict(layout=self.ffn_layout, dim=ffn_dim,
-                           expert_layout=self.expert_layout, expert_dim=0))}
+    stored = self.expert_layout.pad(full, 0)
+    info = dict(expert_layout=self.expert_layout, expert_dim=0)
+    if ffn_dim is not None:
+      names[ffn_dim] = split_over(self.axis_name, self.ffn_layout.parts)
+      stored = self.expert_layout.pad(self.ffn_layout.pad(full, ffn_dim), 0)
+      info.update(layout=self.ffn_layout, dim=ffn_dim)
+    meta = {NAMES_KEY: tuple(names), MESH_KEY: self.mesh, **keys_of(info)}
     return nnx.Param(place(stored, NamedSharding(self.mesh, P(*names))), **meta)
 
   # -- inside a map -------------------------------------------------------------
@@ -548,10 +626,29 @@ class MoE(ParallelModule):
       out.append(masked(value, self.ffn_layout, ffn_dim, self.axis_name))
     return tuple(out)
 
+  def _local_biases(self, compute_dtype: Any) -> ExpertBiases | None:
+    """This device's ``ExpertBiases`` in ``compute_dtype`` (None without them): the FFN
+    padding of gate's and up's forced to zero, and down's zero on all but the first
+    "model" device when the FFN is split over it (the partial sums, summed over
+    "model", then hold it once; its gradient is that device's, summed back over "model"
+    by the cast to varying)."""
+    if not self.expert_bias:
+      return None
+    e_local, i_local = self.expert_layout.padded_size, self.ffn_layout.padded_size
+    gate, up = (masked(self._checked_local(name, getattr(self, name)[...], (e_local, i_local)),
+                       self.ffn_layout, 1, self.axis_name)
+                for name in ("gate_bias", "up_bias"))
+    down = self._checked_local("down_bias", self.down_bias[...], (e_local, self.d_model))
+    if self.ffn_layout.parts > 1:
+      down = jnp.where(shard_index(self.axis_name) == 0, down, jnp.zeros((), down.dtype))
+    return ExpertBiases(*(b.astype(compute_dtype) for b in (gate, up, down)))
+
   def _route(self, x: Array, valid: Array | None = None):
     """``x [t, d]`` -> float32 ``(weights [t, k], experts [t, k], RouterStats)``."""
     logits = jnp.dot(x.astype(jnp.float32), self.router[...].astype(jnp.float32),
                      precision=self.precision)
+    if self.router_bias is not None:
+      logits = logits + self.router_bias[...].astype(jnp.float32)
     bias = None if self.selection_bias is None else self.selection_bias[...]
     weights, experts, probs = self.router_spec(logits, bias)
     return weights, experts, router_stats(logits, probs, experts, valid)
@@ -691,15 +788,16 @@ class MoE(ParallelModule):
     mine = owner == here if routed is None else (owner == here) & routed
     slots = jnp.where(mine, experts - offsets[owner], layout.padded_size)
     gate, up, down = (w.astype(compute_dtype) for w in self._local_experts())
+    experts_kw = dict(biases=self._local_biases(compute_dtype), activation=self.activation)
     xc = copy_to_parallel(xc, self.axis_name)
     dropped = jnp.zeros((), jnp.float32)
     if self.capacity_factor is None or dropless or routed is not None:
-      y = grouped_swiglu(xc, slots, weights, gate, up, down, self.precision)
+      y = grouped_swiglu(xc, slots, weights, gate, up, down, self.precision, **experts_kw)
     else:
       capacity = expert_capacity(xc.shape[0], self.top_k, self.num_experts,
                                  self.capacity_factor)
       y, dropped = capacity_swiglu(xc, slots, weights, gate, up, down, capacity,
-                                   self.drop_policy, self.precision)
+                                   self.drop_policy, self.precision, **experts_kw)
       dropped = jax.lax.stop_gradient(dropped)
       if self.axis_name in self.expert_axes:  # each model shard its own experts'
         dropped = all_reduce(dropped, "sum", self.axis_name)
@@ -761,7 +859,8 @@ class MoE(ParallelModule):
     xe = received.reshape(devices, e_local, capacity, d).transpose(1, 0, 2, 3).reshape(
         e_local, devices * capacity, d)
     gate, up, down = (w_.astype(compute_dtype) for w_ in self._local_experts())
-    ye = batched_swiglu(copy_to_parallel(xe, self.axis_name), gate, up, down, self.precision)
+    ye = batched_swiglu(copy_to_parallel(xe, self.axis_name), gate, up, down, self.precision,
+                        biases=self._local_biases(compute_dtype), activation=self.activation)
     ye = ye.reshape(e_local, devices, capacity, d).transpose(1, 0, 2, 3).reshape(outside, d)
     back = jax.lax.all_to_all(ye, exchange, 0, 0, tiled=True)
     ys = jnp.take(back, slot, axis=0, mode="fill", fill_value=0)

@@ -148,6 +148,15 @@ class TransformerConfig:
   rope_interleave: bool = False  # how a checkpoint stores the rotary rows of q and k:
   # interleaved pairs (DeepSeek's; permuted on load and back on save) or half-split. The
   # computation is the same: flax_tp's params hold them half-split.
+  # -- GPT-OSS
+  attn_sinks: bool = False  # a learned logit per head in each row's softmax denominator,
+  # taking no value (attention sinks; models.attention.AttentionSpec.sinks)
+  router_bias: bool = False  # a trained bias on the router's logits (it weighs and picks)
+  expert_bias: bool = False  # biases on each expert's gate, up and down matmuls
+  swiglu_limit: float | None = None  # None: experts' silu(gate) * up; else GPT-OSS's
+  # clamped form (flax_tp.moe.SwiGLU): gate <= limit, |up| <= limit, (up + 1) * gate *
+  # sigmoid(swiglu_alpha * gate)
+  swiglu_alpha: float = 1.702
   # How a step runs (sequence parallelism, remat, scanned layers, FSDP) is not here:
   # see models.execution.Execution.
 
@@ -202,6 +211,19 @@ class TransformerConfig:
                        "has no norm at all")
     self._check_experts()
     self._check_latent_attention()
+    if self.attn_sinks and self.latent_attention:
+      raise ValueError("attn_sinks is not built for latent attention (no family has both)")
+    expert_only = [n for n, on in (("router_bias", self.router_bias),
+                                   ("expert_bias", self.expert_bias),
+                                   ("swiglu_limit", self.swiglu_limit is not None)) if on]
+    if expert_only and self.num_experts is None:
+      raise ValueError(f"{expert_only[0]} is a field of mixture-of-experts layers, which "
+                       "num_experts (None here) turns on")
+    for name in ("swiglu_limit", "swiglu_alpha"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                or not 0 < value < math.inf):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
   def _check_latent_attention(self) -> None:
     mla = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
@@ -405,7 +427,8 @@ ADDED_FIELDS = frozenset((
     "expert_capacity_factor", "expert_drop_policy", "qk_norm_span", "pre_norm",
     "router_score", "router_selection_bias", "expert_groups", "expert_groups_per_token",
     "routed_scale", "shared_expert_gated", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
-    "v_head_dim", "rope_interleave"))
+    "v_head_dim", "rope_interleave", "attn_sinks", "router_bias", "expert_bias",
+    "swiglu_limit", "swiglu_alpha"))
 
 
 # The presets too large to build with random weights on one host (their params alone
@@ -487,4 +510,34 @@ PRESETS: dict[str, dict] = {
                         moe_layers=tuple(range(3, 61)), router_score="sigmoid",
                         router_selection_bias=True, expert_groups=8,
                         expert_groups_per_token=4, routed_scale=2.5),
+    # openai/gpt-oss-20b (21B): 64 query heads of 64 over 8 kv heads with sinks and biases,
+    # sliding (window 128) and full layers alternating, yarn (factor 32 over 4096 positions,
+    # base 150000); top-4 of 32 biased, clamped experts of 2880 by a biased router, every
+    # layer; MXFP4 experts on disk (load_hf dequantizes them). output_router_logits false:
+    # no load-balancing loss, as transformers trains it by default.
+    "gpt-oss-20b": dict(vocab_size=201088, d_model=2880, num_heads=64, num_kv_heads=8,
+                        head_dim=64, d_ff=2880, num_layers=24, max_seq_len=2048,
+                        tie_embeddings=False,
+                        **{**_LLAMA, "rope_base": 150_000.0, "qkv_bias": True,
+                           "attn_out_bias": True}, attn_sinks=True,
+                        rope_scaling=RopeScaling("yarn", 32.0, original_max_len=4096,
+                                                 truncate=False,  # (0.1 ln 32 + 1)
+                                                 attention_factor=0.1 * math.log(32.0) + 1),
+                        layer_types=tuple(SLIDING if (i + 1) % 2 else FULL for i in range(24)),
+                        sliding_window=128, family="gpt_oss", num_experts=32,
+                        experts_per_token=4, router_bias=True, expert_bias=True,
+                        swiglu_limit=7.0),
+    # allenai/Olmo-3-1025-7B's shapes: 32 heads of 128 (no grouping), q/k norms over the
+    # whole projection, norms after attention and the MLP only, 3 sliding layers (window
+    # 4096) per full one. Rope as a plain base 500000 on every layer (the release's yarn
+    # on its full layers changes neither memory nor communication, which this preset is
+    # for; load_hf reads a checkpoint's own).
+    "olmo3-7b": dict(vocab_size=100278, d_model=4096, num_heads=32, num_kv_heads=32,
+                     head_dim=128, d_ff=11008,
+                     num_layers=32, max_seq_len=2048, tie_embeddings=False,
+                     **{**_LLAMA, "rope_base": 500_000.0, "norm_eps": 1e-6}, qk_norm=True,
+                     qk_norm_span="projection", sandwich_norm=True, pre_norm=False,
+                     rope_local_base=500_000.0,
+                     layer_types=tuple(SLIDING if (i + 1) % 4 else FULL for i in range(32)),
+                     sliding_window=4096, family="olmo3"),
 }

@@ -25,6 +25,8 @@ class Attention(nnx.Module):
     self.k = nnx.Linear(cfg.d_model, kv_width, use_bias=cfg.qkv_bias, **dense)
     self.v = nnx.Linear(cfg.d_model, kv_width, use_bias=cfg.qkv_bias, **dense)
     self.o = nnx.Linear(width, cfg.d_model, use_bias=cfg.attn_out_bias, **dense)
+    if cfg.attn_sinks:  # GPT-OSS: one logit per head in each row's denominator
+      self.sinks = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.num_heads,)))
     if cfg.qk_norm:  # over each head, or (OLMo 2/3) over the whole projection
       whole = cfg.qk_norm_span == "projection"
       self.q_norm = cfg.norm_layer(rngs, width if whole else cfg.head_dim)
@@ -46,7 +48,9 @@ class Attention(nnx.Module):
     dropout_key = ops.site_key(key, layer, ops.ATTN_PROBS)
     dropout = None if dropout_key is None else attention.Dropout(
         dropout_key, jnp.arange(b), jnp.arange(cfg.num_heads))
-    out = attention.attend(q, k, v, attention.AttentionSpec.of(cfg, layer), dropout=dropout)
+    spec = attention.AttentionSpec.of(cfg, layer).with_sinks(
+        self.sinks[...] if cfg.attn_sinks else None)
+    out = attention.attend(q, k, v, spec, dropout=dropout)
     return self.o(out.reshape(b, s, -1))
 
 
@@ -132,12 +136,17 @@ class LoopMoE(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     d, e, f = cfg.d_model, cfg.num_experts, cfg.expert_width
     self.router = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, e)))
+    if cfg.router_bias:  # GPT-OSS (zeros draw no key, as in flax_tp.moe)
+      self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32))
     if cfg.router_selection_bias:  # (zeros draw no key, as in flax_tp.moe)
       from flax_tp.moe import SelectionBias  # the optimizer's filter leaves it out
       self.selection_bias = SelectionBias(jnp.zeros((e,), jnp.float32))
     self.gate = nnx.Param(EXPERT_INIT(rngs.params(), (e, d, f)))
     self.up = nnx.Param(EXPERT_INIT(rngs.params(), (e, d, f)))
     self.down = nnx.Param(EXPERT_INIT(rngs.params(), (e, f, d)))
+    if cfg.expert_bias:  # GPT-OSS (zeros draw no key, as in flax_tp.moe)
+      self.gate_bias, self.up_bias = (nnx.Param(jnp.zeros((e, f), jnp.float32)) for _ in "gu")
+      self.down_bias = nnx.Param(jnp.zeros((e, d), jnp.float32))
     if cfg.shared_expert_d_ff:
       dense = dict(use_bias=False, dtype=cfg.compute_dtype, rngs=rngs)
       self.shared_gate = nnx.Linear(d, cfg.shared_expert_d_ff, **dense)
@@ -147,6 +156,14 @@ class LoopMoE(nnx.Module):
         self.shared_expert_gate = nnx.Param(
             nnx.initializers.lecun_normal()(rngs.params(), (d, 1)))
     self.cfg = cfg
+
+  def _gated(self, g, u):
+    """silu(g) * u, or GPT-OSS's clamped form (transformers' ``_apply_gate``)."""
+    limit = self.cfg.swiglu_limit
+    if limit is None:
+      return jax.nn.silu(g) * u
+    g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+    return (u + 1) * g * jax.nn.sigmoid(g * self.cfg.swiglu_alpha)
 
   def route(self, logits):
     """float32 ``logits [t, E]`` -> ``(weights [t, k], experts [t, k])``, as transformers'
@@ -182,6 +199,8 @@ class LoopMoE(nnx.Module):
     dtype = cfg.compute_dtype
     x = x_bsd.reshape(-1, cfg.d_model)
     logits = x.astype(jnp.float32) @ self.router[...]
+    if cfg.router_bias:
+      logits = logits + self.router_bias[...]
     weights, experts = self.route(logits)
     weights = weights.astype(dtype)
     if cfg.expert_capacity_factor is not None:  # dropped choices weigh nothing
@@ -193,7 +212,12 @@ class LoopMoE(nnx.Module):
     y = jnp.zeros_like(xc)
     for e in range(cfg.num_experts):
       gate, up, down = (w[...][e].astype(dtype) for w in (self.gate, self.up, self.down))
-      out = (jax.nn.silu(xc @ gate) * (xc @ up)) @ down
+      g, u = xc @ gate, xc @ up
+      if cfg.expert_bias:
+        g, u = g + self.gate_bias[...][e].astype(dtype), u + self.up_bias[...][e].astype(dtype)
+      out = self._gated(g, u) @ down
+      if cfg.expert_bias:
+        out = out + self.down_bias[...][e].astype(dtype)
       y = y + jnp.sum(jnp.where(experts == e, weights, 0), axis=-1)[:, None] * out
     if cfg.shared_expert_d_ff:
       shared = self.shared_down(jax.nn.silu(self.shared_gate(xc)) * self.shared_up(xc))

@@ -27,7 +27,8 @@ import flax_tp
 from flax_tp.collectives import is_varying
 from flax_tp.context import ContextSplit
 from flax_tp.data_parallel import gather_for_step, global_rows, whole_over_data
-from flax_tp.params import place_on_mesh
+from flax_tp.padding import masked
+from flax_tp.params import place_on_mesh, sharded_param
 from flax_tp.remat import run_blocks
 from flax_tp.sequence import ActivationLayout
 from models import attention, execution as execution_lib, layer_kinds, ops
@@ -46,6 +47,11 @@ def _dropout(x, key, rate, rows, layout=None):
   return ops.apply_keep(x, layout.of_whole(keep), rate)
 
 
+# transformers' GptOssPreTrainedModel init of the sinks (normal, initializer_range 0.02),
+# drawn after o in models/reference.py too
+SINK_INIT = nnx.initializers.normal(0.02)
+
+
 class ParallelAttention(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
     width = cfg.num_heads * cfg.head_dim
@@ -62,6 +68,11 @@ class ParallelAttention(nnx.Module):
     self.o = flax_tp.RowParallelDense(width, cfg.d_model, input_is_parallel=True,
                                       shard_unit=cfg.head_dim, use_bias=cfg.attn_out_bias,
                                       **kw)
+    if cfg.attn_sinks:  # one logit per query head, split as the heads are (GPT-OSS)
+      self.sinks = sharded_param(
+          SINK_INIT, rngs.params(), (cfg.num_heads,), jnp.float32, mesh=mesh,
+          axis_name=flax_tp.MODEL_AXIS, dim=0, name="sinks",
+          layout=flax_tp.ShardLayout(cfg.num_heads, mesh.shape[flax_tp.MODEL_AXIS]))
     if cfg.qk_norm and cfg.qk_norm_span == "projection":
       # Over the whole projection (OLMo 2/3), whose heads are split: each device norms
       # its own heads by the row's mean square, one [b, s, 1] all-reduce per norm.
@@ -125,11 +136,18 @@ class ParallelAttention(nnx.Module):
     k]``; a padded query head (zero q, which would average real values under
     grouped-query attention) gives zero, as plain attention's padded heads do."""
     kv_index, real, _ = self._head_map()
-    out = attention.attend(q, k, v, attention.AttentionSpec.of(self.cfg, layer),
-                           q_positions, k_positions, kv_index=kv_index, **kw)
+    spec = attention.AttentionSpec.of(self.cfg, layer).with_sinks(self._local_sinks())
+    out = attention.attend(q, k, v, spec, q_positions, k_positions, kv_index=kv_index, **kw)
     if real is not None:
       out = jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
     return self._merge_heads(out)
+
+  def _local_sinks(self):
+    """This device's query heads' sink logits ``[hq_pad]`` (padding zero), or None."""
+    if not self.cfg.attn_sinks:
+      return None
+    layout = flax_tp.ShardLayout(self.cfg.num_heads, self._query_dense.layout.parts)
+    return masked(self.sinks[...], layout, 0, self._query_dense.axis_name)
 
   def _merge_heads(self, out):
     """Attention's ``[b, s, hq_pad, k]`` -> the output projection's input ``[b, s, hq_pad
@@ -336,6 +354,8 @@ def moe_layer(cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs,
                           top_groups=cfg.expert_groups_per_token, scale=cfg.routed_scale)
   return flax_tp.MoE(cfg.d_model, cfg.expert_width, cfg.num_experts, cfg.experts_per_token,
                      mesh=mesh, router=router, selection_bias=cfg.router_selection_bias,
+                     router_bias=cfg.router_bias, expert_bias=cfg.expert_bias,
+                     activation=flax_tp.SwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha),
                      expert_axes=expert_axes, shared_d_ff=cfg.shared_expert_d_ff,
                      shared_gated=cfg.shared_expert_gated, dispatcher=dispatcher,
                      capacity_factor=cfg.expert_capacity_factor,

@@ -412,6 +412,61 @@ def test_latent_attention_equivalence(meshes, latent, mesh_spec, options):
     assert assert_padding_zero(params) > 0
 
 
+# -- GPT-OSS's attention sinks and biased, clamped experts -------------------------------------
+
+# moe-tiny (6 heads over 2 kv heads, 6 experts of 90: none divide 4 or 8) with per-head
+# sinks on alternating sliding (window 3) and full layers, biases on q/k/v/o, the router
+# and the experts, and a clamp low enough that it bites (|gate|, |up| ~ 1 here).
+GPT_OSS = dict(attn_sinks=True, router_bias=True, expert_bias=True, swiglu_limit=0.6,
+               qkv_bias=True, attn_out_bias=True,
+               layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+
+
+@pytest.mark.parametrize("mesh_spec,options", [
+    ("2x4", {}),
+    pytest.param("1x3", dict(sequence_parallel=True, scan_layers=True),
+                 marks=pytest.mark.slow),
+    pytest.param("4x2", dict(sequence_parallel=True, fsdp=True, remat="block",
+                             expert_axes=("data", "model")), marks=pytest.mark.slow),
+    pytest.param("8x1", dict(expert_capacity_factor=3.0, expert_dispatcher="all_to_all"),
+                 marks=pytest.mark.slow),
+    # a capacity that drops: the batched experts' empty slots (biases alone) read by no one
+    pytest.param("1x8", dict(expert_capacity_factor=1.0), marks=pytest.mark.slow)])
+def test_sinks_and_biased_clamped_experts_equivalence(meshes, mesh_spec, options):
+  """Init (bitwise), logits, loss, every gradient and 3 AdamW steps against the plain-Flax
+  reference (its attention written as transformers' GPT-OSS eager attention, its experts
+  as a loop). The biases start at zero (transformers' init), so the steps are what moves
+  them: their gradients are compared on the first step, the moved values after."""
+  model_fields, execution_fields = split_execution(options)
+  cfg = TransformerConfig.preset("moe-tiny", **GPT_OSS, **{
+      k: v for k, v in options.items() if k.startswith("expert_capacity")})
+  ref_model, ref_losses, ref_grads, ref_params = reference_run(cfg)
+  execution = Execution(**{k: v for k, v in options.items()
+                           if not k.startswith("expert_capacity")})
+  model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0), execution=execution)
+  if not execution.fsdp:
+    assert_state_close(model, ref_model, rtol=0, atol=0)
+  np.testing.assert_allclose(jax.jit(lambda t: model(t))(TOKENS[:, :-1]),
+                             ref_model(TOKENS[:, :-1]), rtol=1e-5, atol=1e-5)
+  trainer = Trainer(model, tx())
+  tokens = jax.device_put(TOKENS, trainer.batch_sharding)
+  loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
+  np.testing.assert_allclose(loss, ref_losses[0], rtol=1e-6)
+  if not execution.fsdp and not execution.scan_layers:
+    assert_state_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
+    sinks_grad = np.asarray(ref_grads["blocks"][0]["attn"]["sinks"][...])
+    assert np.abs(sinks_grad).min() > 0  # every head's sink is in play
+  params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
+  losses = []
+  for _ in range(STEPS):
+    params, opt_state, out = trainer.train_step(params, opt_state, tokens, None)
+    losses.append(float(out["loss"]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  if not execution.fsdp and not execution.scan_layers:
+    assert_state_close(params, ref_params, rtol=1e-5, atol=1e-5)
+    assert assert_padding_zero(params) > 0
+
+
 def _model_collectives(meshes, layers, sequence_parallel, **latent):
   """The collectives over "model" of the compiled train step of llama-tiny (``latent``:
   its MLA fields) on 2x4."""
