@@ -658,6 +658,38 @@ def _glm4_moe_write(cfg):
               **_deepseek_router_out(cfg, "glm4_moe"))
 
 
+# GPT-OSS (gpt_oss): grouped-query attention with biases on q/k/v/o (attention_bias) and a
+# sink logit per head (attention sinks), alternating sliding and full layers; a softmax
+# router with a bias (its top-k's softmax: the renormalised softmax), experts with biases
+# and the clamped SwiGLU (swiglu_limit, swiglu_alpha); yarn rope. Experts stored fused as
+# transformers writes them: gate_up_proj [E, H, 2I] (gate and up interleaved along the
+# last dim: gate = [..., ::2]), down_proj [E, I, H], in [in, out] order (flax's own).
+def _gpt_oss_read(hf, shared):
+  bias = _flag(hf, "attention_bias", True)
+  layers = shared["num_layers"]
+  types = _layer_types(hf, layers, lambda i: SLIDING if (i + 1) % 2 else FULL)
+  fields = dict(qkv_bias=bias, attn_out_bias=bias, mlp_bias=False, attn_sinks=True,
+                router_bias=True, expert_bias=True,
+                mlp=_activation(hf, ("hidden_act",), {"silu": "swiglu"}),
+                swiglu_limit=_number(hf, "swiglu_limit", 7.0, integer=False),
+                swiglu_alpha=_number(hf, "swiglu_alpha", 1.702, integer=False),
+                **_windows(types, _optional(hf, "sliding_window", integer=True)))
+  fields.update(_experts(hf, shared, count=("num_local_experts", "num_experts"),
+                         expert_width=None, normalize=True))
+  return fields
+
+
+def _gpt_oss_write(cfg):
+  _require(cfg, "gpt_oss", norm="rmsnorm", mlp="swiglu", qk_norm=False, mlp_bias=False,
+           attn_sinks=True, router_bias=True, expert_bias=True, rotary_fraction=1.0,
+           attn_out_bias=cfg.qkv_bias, **_NO_GEMMA, **_SOFTMAX_ROUTER)
+  if cfg.swiglu_limit is None:
+    raise HFConfigError("swiglu_limit=None has no gpt_oss equivalent (its experts clamp)")
+  return dict(attention_bias=cfg.qkv_bias, swiglu_limit=cfg.swiglu_limit,
+              swiglu_alpha=cfg.swiglu_alpha, **_layer_types_out(cfg),
+              **_experts_out(cfg, "gpt_oss", "num_local_experts", None))
+
+
 # DeepSeek-V3 (deepseek_v3; also Kimi K2's text backbone): multi-head latent attention
 # (models.transformer.LatentAttention) and the router GLM-4.5 shares. config.json's
 # head_dim is qk_rope_head_dim (transformers sets it so for its rotary tables); a q/k head
@@ -760,6 +792,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v3", "DeepseekV3ForCausalLM", _deepseek_v3_read, _deepseek_v3_write,
            moe_prefix="mlp", shared_expert="shared_experts",
            mtp_fields=("num_nextn_predict_layers", "num_mtp_layers")),
+    Family("gpt_oss", "GptOssForCausalLM", _gpt_oss_read, _gpt_oss_write, moe_prefix="mlp"),
 )}
 SUPPORTED = tuple(FAMILIES)
 # The families whose rope fields are per layer type (read by _per_layer_type_rope).
@@ -819,20 +852,29 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     raise HFConfigError(f"{family.model_type} config: {err}") from None
 
 
+def is_mxfp4(hf: dict[str, Any]) -> bool:
+  """Whether a checkpoint's experts are MXFP4 (GPT-OSS's release: ``quantization_config``
+  ``quant_method`` mxfp4; ``load_hf`` dequantizes their ``*_blocks`` / ``*_scales``)."""
+  quant = hf.get("quantization_config")
+  return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+
+
 def fp8_block_size(hf: dict[str, Any]) -> tuple[int, int] | None:
   """The ``[rows, cols]`` blocks of an FP8 block-quantized checkpoint (DeepSeek-V3's
   ``quantization_config``: ``quant_method`` fp8, ``fmt`` e4m3, ``weight_block_size``),
-  whose weights ``load_hf`` dequantizes; None for a float checkpoint. Any other
-  quantization is named (MXFP4, bitsandbytes, GPTQ...: not read)."""
+  whose weights ``load_hf`` dequantizes; None for a float or an MXFP4 checkpoint. Any
+  other quantization is named (bitsandbytes, GPTQ...: not read)."""
   quant = hf.get("quantization_config")
   if not quant:
     return None
   method = quant.get("quant_method") if isinstance(quant, dict) else None
+  if method == "mxfp4" and hf.get("model_type") == "gpt_oss":
+    return None
   if method != "fp8":
     raise HFConfigError(f"quantization_config ({method or quant!r}) is not read: flax_tp "
-                        "dequantizes FP8 block-quantized checkpoints only (for another, "
-                        "load a float copy, e.g. transformers' from_pretrained then "
-                        "save_pretrained)")
+                        "dequantizes FP8 block-quantized checkpoints and GPT-OSS's MXFP4 "
+                        "experts only (for another, load a float copy, e.g. transformers' "
+                        "from_pretrained then save_pretrained)")
   if quant.get("fmt", "e4m3") != "e4m3":
     raise HFConfigError(f"quantization_config fmt {quant['fmt']!r} is not read (FP8 e4m3 is)")
   block = quant.get("weight_block_size")
@@ -874,7 +916,7 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
   if cfg.has_experts and family.moe_prefix is None:
     raise HFConfigError(f"this model has mixture-of-experts layers, which {family.model_type} "
                         "cannot hold (a MoE family is mixtral, qwen2_moe, qwen3_moe or "
-                        "glm4_moe)")
+                        "glm4_moe, deepseek_v3 or gpt_oss)")
   if cfg.norm not in ("rmsnorm", "rmsnorm_offset") or cfg.mlp not in ("swiglu", "geglu"):
     raise HFConfigError(f"norm={cfg.norm!r}, mlp={cfg.mlp!r} has no HF equivalent (needs "
                         "norm='rmsnorm', mlp='swiglu' as Llama, or a family's own)")
@@ -882,6 +924,9 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
     _require(cfg, family.model_type, qk_norm_span="head", pre_norm=True)
   if family.model_type != "deepseek_v3":
     _require(cfg, family.model_type, kv_lora_rank=None, rope_interleave=False)
+  if family.model_type != "gpt_oss":
+    _require(cfg, family.model_type, attn_sinks=False, router_bias=False, expert_bias=False,
+             swiglu_limit=None)
   extra = family.write(cfg)  # (each writer refuses what its family cannot represent)
   # (Llama's and Qwen2's fields in the order they were always written: same bytes)
   out = dict(
@@ -923,6 +968,19 @@ class HFTensor:
   # state has none
   rows: tuple[int, ...] | None = None  # the param's row i is the checkpoint's row rows[i]
   # (its out dim; a bias's one dim): DeepSeek's interleaved rotary rows, held half-split
+  columns: bool = False  # ``sizes`` and ``rows`` lie along the last dim, not the rows: a
+  # tensor stored [..., in, out] (GPT-OSS's experts, their biases [E, out])
+
+  @property
+  def out_axis(self) -> Callable[[Any], int]:
+    """Where ``sizes`` and ``rows`` lie in a checkpoint value of this tensor: the rows
+    (``out``) of ``[..., out, in]`` or a bias's one dim, or (``columns``) the last."""
+    return (lambda value: -1) if self.columns else _rows_axis
+
+
+def _rows_axis(value: Any) -> int:
+  """The rows (``out``) of ``[..., out, in]``, or the one dim of a bias."""
+  return 0 if value.ndim == 1 else value.ndim - 2
 
 
 _ATTENTION = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"))
@@ -957,6 +1015,23 @@ def _moe_tensors(cfg: TransformerConfig, family: Family, layer: str, at: Callabl
     if cfg.shared_expert_gated:
       yield HFTensor(f"{layer}.mlp.shared_expert_gate.weight",
                      (at("mlp", "shared_expert_gate"),), True)
+
+
+def _gpt_oss_experts(cfg: TransformerConfig, layer: str, at: Callable) -> Iterator[HFTensor]:
+  """GPT-OSS's MoE tensors: the router's weight ``[E, H]`` and bias, the experts fused as
+  transformers writes them, gate and up interleaved along gate_up's last dim (``rows``
+  takes the even columns, then the odd)."""
+  width = cfg.expert_width
+  split = tuple(range(0, 2 * width, 2)) + tuple(range(1, 2 * width, 2))
+  yield HFTensor(f"{layer}.mlp.router.weight", (at("mlp", "router"),), True)
+  yield HFTensor(f"{layer}.mlp.router.bias", (at("mlp", "router_bias"),), False)
+  experts = f"{layer}.mlp.experts"
+  yield HFTensor(f"{experts}.gate_up_proj", (at("mlp", "gate"), at("mlp", "up")), False,
+                 (width, width), rows=split, columns=True)
+  yield HFTensor(f"{experts}.gate_up_proj_bias", (at("mlp", "gate_bias"), at("mlp", "up_bias")),
+                 False, (width, width), rows=split, columns=True)
+  yield HFTensor(f"{experts}.down_proj", (at("mlp", "down"),), False)
+  yield HFTensor(f"{experts}.down_proj_bias", (at("mlp", "down_bias"),), False)
 
 
 def _deinterleaved(width: int, rope: int, blocks: int) -> tuple[int, ...]:
@@ -1046,7 +1121,11 @@ def tensor_names(cfg: TransformerConfig, experts_fused: bool = False) -> Iterato
     if cfg.qk_norm:
       for ours in ("q_norm", "k_norm"):
         yield HFTensor(f"{layer}.self_attn.{ours}.weight", (at("attn", ours, "scale"),), False)
-    if moe:
+    if cfg.attn_sinks:
+      yield HFTensor(f"{layer}.self_attn.sinks", (at("attn", "sinks"),), False)
+    if moe and family.model_type == "gpt_oss":
+      yield from _gpt_oss_experts(cfg, layer, at)
+    elif moe:
       yield from _moe_tensors(cfg, family, layer, at, experts_fused)
     for ours, hf in norms:
       yield HFTensor(f"{layer}.{hf}.weight", (at(ours, "scale"),), False)

@@ -41,6 +41,7 @@ from models.families import (
   config_from_hf,
   config_to_hf,
   fp8_block_size,
+  is_mxfp4,
   mtp_prefixes,
   tensor_names,
 )
@@ -75,7 +76,7 @@ def to_hf_state_dict(state: nnx.State, cfg: TransformerConfig,
     value = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]  # fused: rows
     value = _transposed(value) if tensor.transposed else value
     if tensor.rows is not None:  # back to the checkpoint's row order
-      value = np.take(value, np.argsort(tensor.rows), axis=_rows_axis(value))
+      value = np.take(value, np.argsort(tensor.rows), axis=tensor.out_axis(value))
     out[tensor.name] = np.ascontiguousarray(value)
   return out
 
@@ -91,12 +92,6 @@ def _has(state: nnx.State, path: tuple) -> bool:
 def _transposed(value: np.ndarray) -> np.ndarray:
   """HF's ``[..., out, in]`` <-> flax's ``[..., in, out]`` (the last two dims)."""
   return np.swapaxes(value, -1, -2)
-
-
-def _rows_axis(value: np.ndarray) -> int:
-  """Where a fused tensor's parts lie: the rows (``out``) of ``[..., out, in]``, or the
-  one dim of a bias."""
-  return 0 if value.ndim == 1 else value.ndim - 2
 
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -157,6 +152,15 @@ class _Tensors:
     else:
       raise FileNotFoundError(f"{str(directory)!r} has neither {SINGLE} nor {INDEX}")
 
+  def packed(self, name: str) -> np.ndarray:
+    """Tensor ``name``'s stored bytes as uint8 (MXFP4's ``_blocks`` and ``_scales``);
+    ``HFConfigError`` naming it when it is absent or not U8."""
+    if name not in self.files:
+      raise HFConfigError(f"the checkpoint lacks tensor {name!r}")
+    if self.raw_dtype(name) != "U8":
+      raise HFConfigError(f"tensor {name!r} is {self.raw_dtype(name)}; MXFP4 stores U8")
+    return _read_raw(self.files[name], name, "uint8", as_float=False)
+
   def get(self, name: str) -> np.ndarray:
     from safetensors import safe_open
     if name not in self.files:
@@ -202,9 +206,10 @@ def _header_of(path: str, mtime_ns: int, size: int) -> dict:
     return json.loads(f.read(size)) | {"__start__": 8 + size}
 
 
-def _read_raw(path: Path, name: str, dtype: str) -> np.ndarray:
+def _read_raw(path: Path, name: str, dtype: str, *, as_float: bool = True) -> np.ndarray:
   """Tensor ``name`` of ``path`` from its bytes, as ``dtype`` (``_RAW_DTYPES``'), in
-  float32 (a UE8M0 scale's byte ``e`` is ``2 ** (e - 127)``)."""
+  float32 (a UE8M0 scale's byte ``e`` is ``2 ** (e - 127)``); ``as_float=False``: the
+  stored values as they are (MXFP4's packed codes and exponents)."""
   header = _header(path)
   entry = header[name]
   begin, end = entry["data_offsets"]
@@ -213,6 +218,8 @@ def _read_raw(path: Path, name: str, dtype: str) -> np.ndarray:
     data = f.read(end - begin)
   kind = np.dtype("uint8") if dtype == "uint8" else _ml_dtype(dtype)
   value = np.frombuffer(data, kind).reshape(entry["shape"])
+  if not as_float:
+    return value
   if dtype == "uint8":
     return np.exp2(value.astype(np.float32) - 127.0)
   return value.astype(np.float32)
@@ -233,6 +240,31 @@ def dequantized(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int
   scale = np.repeat(np.repeat(scale_inv, block[0], axis=-2)[..., :rows, :], block[1],
                     axis=-1)[..., :cols]
   return (weight * scale).astype(np.float32)
+
+
+# The 16 values of an FP4 (E2M1) code, as the OCP MX spec and transformers' FP4_VALUES list
+# them: the low three bits the magnitude, the high one the sign.
+FP4_VALUES = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+MXFP4_BLOCK = 32  # values sharing one exponent
+
+
+def mxfp4_dequantized(blocks: np.ndarray, scales: np.ndarray, name: str) -> np.ndarray:
+  """GPT-OSS's MXFP4 experts (``name``'s ``_blocks [E, out, in / 32, 16]`` uint8, two FP4
+  codes a byte, the low nibble first; ``_scales [E, out, in / 32]`` uint8, a power of two
+  biased by 127) -> float32 ``[E, in, out]`` as transformers' ``convert_moe_packed_tensors``
+  gives them, exactly: a table lookup times a power of two."""
+  if (blocks.ndim != 4 or blocks.shape[-1] != MXFP4_BLOCK // 2
+      or tuple(scales.shape) != tuple(blocks.shape[:-1])):
+    raise HFConfigError(f"tensor {name + '_blocks'!r} has shape {tuple(blocks.shape)} and "
+                        f"{name + '_scales'!r} {tuple(scales.shape)}; MXFP4 expects "
+                        f"[E, out, in / {MXFP4_BLOCK}, {MXFP4_BLOCK // 2}] and [E, out, "
+                        f"in / {MXFP4_BLOCK}]")
+  blocks = np.asarray(blocks, np.uint8)
+  codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [E, out, G, 16, 2]
+  values = FP4_VALUES[codes].reshape(blocks.shape[:-1] + (MXFP4_BLOCK,))
+  values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+  return np.swapaxes(values.reshape(blocks.shape[:2] + (-1,)), 1, 2).astype(np.float32)
 
 
 def read_config(path: str | Path, **overrides) -> TransformerConfig:
@@ -302,22 +334,32 @@ def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
   # dequantized to float32.
   hf_config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
   block = fp8_block_size(hf_config)
+  mxfp4 = is_mxfp4(hf_config)  # GPT-OSS's release: its experts as MXFP4 blocks and scales
   for tensor in tensor_names(cfg, experts_fused):
-    value = tensors.get(tensor.name)
     scale_name = tensor.name + "_scale_inv"
+    packed = (tensor.name + "_blocks", tensor.name + "_scales")
+    if mxfp4 and tensor.name not in tensors.files and packed[0] in tensors.files:
+      value = mxfp4_dequantized(tensors.packed(packed[0]), tensors.packed(packed[1]),
+                                tensor.name)
+      used.update(packed)
+    else:
+      value = tensors.get(tensor.name)
     if block is not None and scale_name in tensors.files:
       value = dequantized(value, tensors.get(scale_name), block, tensor.name)
       used.add(scale_name)
-    elif tensors.raw_dtype(tensor.name) in ("F8_E4M3", "F8_E5M2"):
+    elif tensor.name in tensors.files and tensors.raw_dtype(tensor.name) in ("F8_E4M3",
+                                                                              "F8_E5M2"):
       raise HFConfigError(f"tensor {tensor.name!r} is FP8 without {scale_name!r} (or without "
                           "an fp8 quantization_config): its scale is unknown")
     if tensor.rows is not None:  # rows flax_tp holds in another order (DeepSeek's rotary)
-      if value.shape[_rows_axis(value)] != len(tensor.rows):
-        raise HFConfigError(f"tensor {tensor.name!r} has {value.shape[_rows_axis(value)]} "
-                            f"rows; the config gives {len(tensor.rows)}")
-      value = np.take(value, tensor.rows, axis=_rows_axis(value))
+      axis = tensor.out_axis(value)
+      if value.ndim == 0 or value.shape[axis] != len(tensor.rows):
+        raise HFConfigError(f"tensor {tensor.name!r} has shape {tuple(value.shape)}; the "
+                            f"config gives {len(tensor.rows)} "
+                            f"{'columns' if tensor.columns else 'rows'}")
+      value = np.take(value, tensor.rows, axis=axis)
     if tensor.sizes is not None:  # fused rows: each part's, in order
-      rows = _rows_axis(value)
+      rows = tensor.out_axis(value)
       if value.shape[rows] != sum(tensor.sizes):
         raise HFConfigError(f"tensor {tensor.name!r} has {value.shape[rows]} rows; the config "
                             f"gives {' + '.join(map(str, tensor.sizes))}")

@@ -33,14 +33,15 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 DENSE = ["llama3", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
          "olmo3"]
 # Mixtures of experts: experts over "data" as well, so 4x2 too.
-EXPERTS = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v3_plain"]
+EXPERTS = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v3_plain",
+           "gpt_oss"]
 FAMILIES = DENSE + EXPERTS
 MESHES = ["1x1", "1x3", "2x4", "1x8"]
 MOE_MESHES = [*MESHES, "4x2"]
 # The fast lane runs each family on one mesh (each mesh at least once); the slow the rest.
 FAST = {name: MESHES[i % len(MESHES)] for i, name in enumerate(DENSE)}
 FAST.update(mixtral="2x4", qwen2_moe="4x2", qwen3_moe="1x3", glm4_moe="1x8",
-            deepseek_v3="2x4", deepseek_v3_plain="1x3",
+            deepseek_v3="2x4", deepseek_v3_plain="1x3", gpt_oss="4x2",
             # OLMo's q/k norms over heads split unevenly (6 over 4) and kv heads replicated
             olmo2="2x4", olmo3="1x3")
 CASES = [pytest.param(name, mesh, marks=() if FAST[name] == mesh else pytest.mark.slow,
@@ -115,6 +116,13 @@ def test_family_equals_transformers(meshes, name, mesh_spec):
                                      sequence_parallel=True, fsdp=True)),
     pytest.param("deepseek_v3_plain", "1x8", Execution(sequence_parallel=True, remat="block"),
                  marks=pytest.mark.slow),
+    # GPT-OSS's biased, clamped experts whole on the devices of 2x4 (the down bias added by
+    # its expert's device), sinks under SP, scanned sliding/full layers, FSDP; on 1x8 its
+    # FFN split 8 ways (the down bias added once, by the first model device), remat
+    ("gpt_oss", "2x4", Execution(expert_axes=("data", "model"), scan_layers=True,
+                                 sequence_parallel=True, fsdp=True)),
+    pytest.param("gpt_oss", "1x8", Execution(sequence_parallel=True, remat="block"),
+                 marks=pytest.mark.slow),
     # each expert whole on one device: 8 experts over data x model
     pytest.param("qwen3_moe", "2x4", Execution(expert_axes=("data", "model")),
                  marks=pytest.mark.slow),
@@ -166,6 +174,10 @@ RING = "ring"
                                                    sequence_parallel=True),
                  marks=pytest.mark.slow),
     pytest.param("deepseek_v3_plain", "1x3x2", Execution(), marks=pytest.mark.slow),
+    # the sinks in the ring (forward and its hand-written backward) and the all-gather core
+    ("gpt_oss", "2x2x2", Execution(context_parallel=RING, sequence_parallel=True)),
+    pytest.param("gpt_oss", "1x4x2", Execution(expert_axes=("data", "context")),
+                 marks=pytest.mark.slow),
 ])
 def test_family_on_a_context_mesh_equals_transformers(name, mesh_spec, execution):
   mesh = flax_tp.make_mesh(mesh_spec)
@@ -230,14 +242,24 @@ def test_saved_folder_loads_in_transformers_to_the_same_logits(tmp_path, meshes,
     ("glm4_moe", "no selection bias"),
     ("deepseek_v3", dict(rope_interleave=False)),  # its rotary rows as stored
     ("deepseek_v3", dict(attn_scale=None)),  # yarn's mscale_all_dim on the scores
+    ("gpt_oss", dict(swiglu_limit=1e4)),  # the clamp
+    ("gpt_oss", dict(layer_types=(FULL, FULL))),  # the sliding layer
+    ("gpt_oss", "no sinks"),
+    ("gpt_oss", "no router bias"),
 ])
 def test_each_fixture_tells_its_mechanism_apart(meshes, name, change):
   """Without the mechanism (or with another window) the logits are not transformers':
   the fixtures can fail the tests above."""
-  if change == "no selection bias":
+  zeroed = {"no selection bias": "selection_bias", "no sinks": "sinks",
+            "no router bias": "router_bias"}
+  if isinstance(change, str):
     model = load_hf(FIXTURES / name, meshes["1x1"])
-    for _, bias in nnx.to_flat_state(nnx.state(model, flax_tp.SelectionBias)):
-      bias[...] = jnp.zeros_like(bias[...])
+    found = 0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+      if path[-1] == zeroed[change]:  # a sink of -1e4 takes no weight: as if none
+        var[...] = jnp.full_like(var[...], -1e4 if change == "no sinks" else 0.0)
+        found += 1
+    assert found > 0
   else:
     model = load_hf(FIXTURES / name, meshes["1x1"], **change)
   expected = np.load(FIXTURES / name / "expected.npz")
@@ -270,6 +292,10 @@ def _copy(name, folder):
     ("deepseek_v3", "missing", "model.layers.1.self_attn.q_a_layernorm.weight"),
     ("deepseek_v3", "extra", "model.layers.0.self_attn.q_proj.weight"),
     ("deepseek_v3_plain", "extra", "model.layers.1.self_attn.q_b_proj.weight"),
+    ("gpt_oss", "missing", "model.layers.0.self_attn.sinks"),
+    ("gpt_oss", "missing", "model.layers.1.mlp.experts.gate_up_proj_bias"),
+    ("gpt_oss", "extra", "model.layers.1.mlp.experts.gate_up_proj_blocks"),
+    ("gpt_oss_mxfp4", "missing", "model.layers.0.mlp.experts.down_proj_scales"),
 ])
 def test_a_tampered_checkpoint_is_refused_naming_the_tensor(tmp_path, meshes, name, how, named):
   from safetensors.numpy import load_file, save_file
@@ -425,7 +451,7 @@ def test_old_identity_is_unchanged_and_new_fields_round_trip():
 # -- from the CLI, as a new user runs it -----------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma3_text", "phi3", "olmo3", "glm4_moe"])
+@pytest.mark.parametrize("name", ["gemma3_text", "phi3", "olmo3", "glm4_moe", "gpt_oss"])
 def test_a_family_fine_tunes_resumes_on_another_mesh_and_generates(tmp_path, name, capsys):
   """``train/run.py --init-from`` a family's folder (its own tokenizer.json) on 2x4 with
   every execution option, resumed on 1x8 from a copied checkpoint, then
@@ -601,6 +627,54 @@ def test_an_fp8_weight_without_its_scales_is_refused_naming_it(tmp_path, meshes,
   assert named in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("mesh_spec", ["1x8", pytest.param("2x4", marks=pytest.mark.slow)])
+def test_an_mxfp4_checkpoint_is_dequantized_exactly(tmp_path, meshes, mesh_spec):
+  """GPT-OSS's release format (fixture: the experts' gate_up_proj and down_proj as MXFP4
+  ``_blocks`` and ``_scales`` with random codes and exponents): each is bitwise what
+  transformers' own ``convert_moe_packed_tensors`` gives, the model gives transformers'
+  logits and loss for those weights, and ``save_hf`` writes the float model."""
+  from models.hf import to_hf_state_dict
+  folder = FIXTURES / "gpt_oss_mxfp4"
+  assert json.loads((folder / "config.json").read_text())["quantization_config"][
+      "quant_method"] == "mxfp4"
+  model = load_hf(folder, meshes[mesh_spec])
+  expected = np.load(folder / "expected.npz")
+  ours = to_hf_state_dict(nnx.state(model, nnx.Param), model.cfg)
+  dequantized = [k for k in expected.files if k.startswith("dequantized:")]
+  assert len(dequantized) == 2 * 2  # gate_up and down, two layers
+  for key in dequantized:
+    assert np.abs(expected[key]).max() > 0
+    np.testing.assert_array_equal(ours[key[len("dequantized:"):]], expected[key], err_msg=key)
+  ids = jnp.asarray(expected["ids"], jnp.int32)
+  np.testing.assert_allclose(jax.jit(lambda t: model(t))(ids), expected["logits"], rtol=1e-5,
+                             atol=1e-5)
+  trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
+  loss, _ = jax.jit(trainer.loss_and_grads)(trainer.params,
+                                            jax.device_put(ids, trainer.batch_sharding))
+  np.testing.assert_allclose(loss, expected["loss"], rtol=1e-6)
+  save_hf(model, tmp_path / "float")
+  assert "quantization_config" not in json.loads((tmp_path / "float" / "config.json").read_text())
+  from safetensors.numpy import load_file
+  assert set(load_file(tmp_path / "float" / "model.safetensors")) == set(ours)
+
+
+def test_an_mxfp4_code_table_and_exponent_worked_by_hand():
+  """One byte: low nibble 0b0011 (1.5) first, high 0b1110 (-4.0) second, each times
+  2 ** (scale - 127); the block's 32 values then run along the input dim."""
+  from models.hf import mxfp4_dequantized
+  blocks = np.zeros((1, 1, 1, 16), np.uint8)
+  blocks[0, 0, 0, 0] = 0b1110_0011
+  blocks[0, 0, 0, 15] = 0b0111_1001  # low 0b1001 (-0.5), high 0b0111 (6.0)
+  scales = np.full((1, 1, 1), 125, np.uint8)  # 2 ** -2
+  out = mxfp4_dequantized(blocks, scales, "w")
+  assert out.shape == (1, 32, 1)
+  want = np.zeros(32, np.float32)
+  want[[0, 1, 30, 31]] = [1.5 / 4, -4.0 / 4, -0.5 / 4, 6.0 / 4]
+  np.testing.assert_array_equal(out[0, :, 0], want)
+  with pytest.raises(HFConfigError, match="w_blocks"):
+    mxfp4_dequantized(blocks[..., :8], scales, "w")
+
+
 def test_latent_attention_is_written_only_as_deepseek_v3():
   """A model with latent attention has no other family's config; DeepSeek-V3's fields
   read back (the yarn score scale through mscale_all_dim, q without its latent)."""
@@ -680,6 +754,44 @@ def test_the_deepseek_v3_preset_is_the_released_config():
                               "quant_method": "fp8", "weight_block_size": [128, 128]}}
   preset = TransformerConfig.preset("deepseek-v3", max_seq_len=163840)
   assert config_from_hf(released) == preset
+
+
+def test_the_gpt_oss_20b_preset_is_the_released_config():
+  """``TransformerConfig.preset("gpt-oss-20b")`` is what ``config_from_hf`` reads from
+  openai/gpt-oss-20b's config.json (its fields as released, MXFP4 quantization_config
+  included), and holds its 21B params."""
+  from bench.harness import param_count
+  released = {
+      "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "attention_bias": True,
+      "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4,
+      "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+      "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+      "layer_types": ["sliding_attention", "full_attention"] * 12,
+      "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+      "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+      "output_router_logits": False, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+      "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                       "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                       "truncate": False},
+      "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+      "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True,
+      "vocab_size": 201088,
+      "quantization_config": {"modules_to_not_convert": [
+          "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+          "lm_head"], "quant_method": "mxfp4"}}
+  preset = TransformerConfig.preset("gpt-oss-20b", max_seq_len=131072)
+  assert config_from_hf(released) == preset
+  assert round(param_count(preset) / 1e8) == 209  # 20.9B
+
+
+def test_the_olmo3_7b_preset_reads_back_from_its_config_json():
+  """``olmo3-7b`` (shapes for the benchmarks) is an OLMo 3 that ``config_to_hf`` writes
+  and ``config_from_hf`` reads back unchanged: 7.3B params at allenai/Olmo-3-1025-7B's
+  sizes."""
+  from bench.harness import param_count
+  preset = TransformerConfig.preset("olmo3-7b")
+  assert config_from_hf(config_to_hf(preset)) == preset
+  assert round(param_count(preset) / 1e8) == 73
 
 
 @pytest.mark.slow
