@@ -10,6 +10,7 @@ the window equal transformers'. The families with sliding windows (Qwen2's too, 
 context meshes, with both context-parallel strategies.
 """
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -691,10 +692,11 @@ def test_latent_attention_is_written_only_as_deepseek_v3():
 
 
 @pytest.mark.slow
-def test_deepseek_v3_fine_tunes_resumes_exports_and_generates(tmp_path, capsys):
-  """``train/run.py --init-from`` a DeepSeek-V3 folder on 2x4 with FSDP, SP and scanned
-  layers (auxiliary-loss-free balancing on), resumed on 1x8 from a copied checkpoint,
-  ``train/export.py`` read by transformers to the checkpoint's logits, and
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_a_2026_family_fine_tunes_resumes_exports_and_generates(tmp_path, capsys, name):
+  """``train/run.py --init-from`` a DeepSeek-V3 (auxiliary-loss-free balancing on) or a
+  GPT-OSS folder on 2x4 with FSDP, SP and scanned layers, resumed on 1x8 from a copied
+  checkpoint, ``train/export.py`` read by transformers to the checkpoint's logits, and
   ``train/generate.py`` from the checkpoint."""
   from helpers import logged_losses
 
@@ -702,10 +704,12 @@ def test_deepseek_v3_fine_tunes_resumes_exports_and_generates(tmp_path, capsys):
   from train.run import main
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  cfg, folder, flags = fine_tune_folder(tmp_path, "deepseek_v3")
+  cfg, folder, flags = fine_tune_folder(tmp_path, name)
+  if name == "deepseek_v3":
+    flags += ["--router-bias-rate", "0.05"]
   ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
   assert main([*flags, "--mesh", "2x4", "--fsdp", "--sequence-parallel", "--scan-layers",
-               "--router-bias-rate", "0.05", "--checkpoint-dir", str(ck),
+               "--checkpoint-dir", str(ck),
                "--checkpoint-every", "3", "--metrics-file", str(metrics)]) == 0
   losses = logged_losses(metrics)
   assert len(losses) == 6 and losses[-1] < losses[0]
@@ -713,13 +717,13 @@ def test_deepseek_v3_fine_tunes_resumes_exports_and_generates(tmp_path, capsys):
   moved.mkdir()
   shutil.copytree(ck / "3", moved / "3")
   resumed = tmp_path / "r.jsonl"
-  assert main([*flags, "--mesh", "1x8", "--router-bias-rate", "0.05", "--resume",
+  assert main([*flags, "--mesh", "1x8", "--resume",
                "--checkpoint-dir", str(moved), "--metrics-file", str(resumed)]) == 0
   np.testing.assert_allclose(logged_losses(resumed)[0], losses[3], rtol=1e-5)
   out = tmp_path / "exported"
   assert export.main(["--checkpoint", str(moved), "--out", str(out), "--mesh", "2x4"]) == 0
   ours = load_hf(out, flax_tp.make_mesh("1x3"))
-  assert ours.cfg.family == "deepseek_v3" and ours.cfg.kv_lora_rank == cfg.kv_lora_rank
+  assert ours.cfg == dataclasses.replace(cfg, max_seq_len=ours.cfg.max_seq_len)
   ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))
   theirs = transformers.AutoModelForCausalLM.from_pretrained(
       out, attn_implementation="eager", experts_implementation="eager").eval()
