@@ -27,9 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 PRESETS = ("llama3.2-1b", "qwen3-0.6b", "gemma3-1b")
 # How a preset's step runs where plain tensor and data parallelism cannot hold it:
 # DeepSeek-V3's 671B params need FSDP and its experts over every device (a share each),
-# scanned so the compile holds one block of each kind. Its collectives are not set
-# against Megatron's dense minimum, which has no expert dispatch or FSDP gathers.
-EXECUTION = {"deepseek-v3": dict(scan_layers=True, fsdp=True, expert_axes=("data", "model"))}
+# scanned so the compile holds one block of each kind; GPT-OSS 20B's 32 experts of FFN
+# 2880 likewise (whole experts, four per device). Their collectives are not set against
+# Megatron's dense minimum, which has no expert dispatch or FSDP gathers.
+EXECUTION = {"deepseek-v3": dict(scan_layers=True, fsdp=True, expert_axes=("data", "model")),
+             "gpt-oss-20b": dict(scan_layers=True, fsdp=True, expert_axes=("data", "model"))}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

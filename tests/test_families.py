@@ -187,6 +187,28 @@ def test_family_on_a_context_mesh_equals_transformers(name, mesh_spec, execution
   check_against_fixture(model, name)
 
 
+# The all-to-all dispatcher (each routed choice sent only to its expert's device) on
+# transformers' MoE fixtures, with each layout of the experts: at capacity factor E / k
+# no expert can overflow, so transformers' dropless logits, gradients and generation hold.
+@pytest.mark.parametrize("name,mesh_spec,expert_axes", [
+    pytest.param("mixtral", "4x2", ("data",), marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "2x4", ("data", "model"), marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", "8x1", ("data",), marks=pytest.mark.slow),
+    pytest.param("mixtral", "2x2x2", ("data", "context"), marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "2x2x2", ("data", "context", "model"), marks=pytest.mark.slow),
+])
+def test_the_all_to_all_dispatcher_equals_transformers_with_each_layout(name, mesh_spec,
+                                                                        expert_axes):
+  cfg = read_config(FIXTURES / name)
+  model = load_hf(FIXTURES / name, flax_tp.make_mesh(mesh_spec),
+                  execution=Execution(expert_axes=expert_axes, expert_dispatcher="all_to_all"),
+                  expert_capacity_factor=cfg.num_experts / cfg.experts_per_token)
+  moes = [m for _, m in nnx.iter_graph(model) if isinstance(m, flax_tp.MoE)]
+  assert moes and all(m.dispatcher == "all_to_all" for m in moes)
+  assert all(m.expert_axes == expert_axes for m in moes)
+  check_against_fixture(model, name)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_save_hf_writes_back_what_transformers_wrote(tmp_path, meshes, name):
   """Every tensor as it was (Phi-3's fused ones fused again, from their split parts),
