@@ -301,6 +301,13 @@ def test_moe_bench_smoke(tmp_path):
   assert not any(r["weights_gathered"] for r in results["rows"])
   deepseek = results["deepseek_v3_layer"]
   assert deepseek["all_gather_ratio"] == 64 / 8 and deepseek["all_to_all_ratio"] == 1.25
+  # compiled on 64 devices from abstract shapes: the all-to-all's buffers exactly as the
+  # formula; the all-gather's tokens as the formula plus the routing (k ids and weights)
+  compiled = {r["setting"]: r["dispatch_bytes"] for r in deepseek["compiled"]}
+  assert compiled["all_to_all@1.25"] == deepseek["all_to_all_bytes"]
+  routing = 4 * 63 * 4096 * 8 * 4  # ids and weights, gathered and their cotangents scattered
+  assert deepseek["all_gather_bytes"] < compiled["all_gather"] <= (
+      deepseek["all_gather_bytes"] + routing)
   (timed,) = results["step_times"]
   assert set(timed["step_s"]) == {"flax_tp", "flax_tp_capacity_4", "flax_tp_capacity_1.25",
                                   "flax_tp_all_to_all_capacity_4",
