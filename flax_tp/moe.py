@@ -54,8 +54,10 @@ activations against the all-to-all minimum of ``(D - 1) / D * t * k * d`` (``t``
 per shard, uniform routing): ``D / k`` times that minimum. ``dispatcher="all_to_all"``
 (with a capacity factor) sends each routed choice only to its expert's shard
 (``MoE._all_to_all``): a static ``[D, E_local, C, d]`` buffer per direction, ``C`` per
-expert and source shard, so what drops depends on ``D``. The dropless all-to-all
-(``jax.lax.ragged_all_to_all``) is unimplemented on XLA:CPU (jax 0.10.2) and not used.
+expert and source shard, so what drops depends on ``D``. Dropless
+(``MoE._ragged_all_to_all``) it sends exactly the routed choices with
+``jax.lax.ragged_all_to_all``, where the backend has it (``RAGGED_ALL_TO_ALL_PLATFORMS``:
+XLA:CPU does not, jax 0.10.2, and such a MoE is refused there naming why).
 
 The router runs in float32: the logits ``x @ router`` and their softmax, then top-k
 (renormalised when ``normalize_top_k``, as in Mixtral and Qwen3-MoE; without it, as in
@@ -344,6 +346,18 @@ def grouped_swiglu(x: Array, slots: Array, weights: Array, gate: Array, up: Arra
   return jnp.zeros_like(x, dtype=ys.dtype).at[token].add(ys * kept[:, None])
 
 
+# The platforms whose XLA implements jax.lax.ragged_all_to_all (the dropless all-to-all
+# dispatcher's collective); XLA:CPU does not (jax 0.10.2: UNIMPLEMENTED).
+RAGGED_ALL_TO_ALL_PLATFORMS = frozenset({"gpu", "cuda", "rocm", "tpu"})
+# The collective itself (a module attribute so that a CPU test can put an emulation of its
+# documented semantics, built from jax.lax.all_to_all, in its place).
+ragged_all_to_all = jax.lax.ragged_all_to_all
+
+
+def exclusive_cumsum(x: Array, axis: int = -1) -> Array:
+  return jnp.cumsum(x, axis=axis) - x
+
+
 DROP_POLICIES = ("probs", "position")
 # How routed tokens reach the shards holding their experts: every shard's tokens to every
 # shard ("all_gather", mesh-independent drops), or each routed choice only to its
@@ -468,8 +482,9 @@ class MoE(ParallelModule):
 
   ``router`` (a ``Router``; default the softmax top-k, renormalised if
   ``normalize_top_k``) declares how the experts are picked and weighted.
-  ``dispatcher``: ``"all_gather"`` (below) or ``"all_to_all"`` (with a capacity factor:
-  each routed choice sent only to its expert's shard, ``_all_to_all``).
+  ``dispatcher``: ``"all_gather"`` (below) or ``"all_to_all"``: each routed choice sent
+  only to its expert's shard, with a capacity factor in static buffers (``_all_to_all``),
+  dropless with ``jax.lax.ragged_all_to_all`` where XLA has it (``_ragged_all_to_all``).
 
   ``capacity_factor`` (None: dropless): each expert takes at most
   ``expert_capacity(t, top_k, E, capacity_factor)`` of the choices of the ``t`` tokens
@@ -520,10 +535,12 @@ class MoE(ParallelModule):
     self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
     if dispatcher not in DISPATCHERS:
       raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
-    if dispatcher == "all_to_all" and capacity_factor is None:
-      raise ValueError("dispatcher 'all_to_all' needs a capacity_factor: the dropless "
-                       "all-to-all (jax.lax.ragged_all_to_all) is not implemented on XLA:CPU "
-                       "and flax_tp does not use it yet; use 'all_gather' for dropless")
+    platform = mesh.devices.flat[0].platform
+    if (dispatcher == "all_to_all" and capacity_factor is None
+        and platform not in RAGGED_ALL_TO_ALL_PLATFORMS):
+      raise ValueError(f"dispatcher 'all_to_all' without a capacity_factor (dropless) needs "
+                       f"jax.lax.ragged_all_to_all, which XLA on {platform!r} does not "
+                       f"implement: give a capacity_factor, or use 'all_gather' for dropless")
     self.dispatcher = dispatcher
     if router is None:
       router = Router(top_k, normalize=normalize_top_k)
@@ -773,7 +790,8 @@ class MoE(ParallelModule):
                      if a != self.axis_name and is_varying(xc, a))
     summed = tuple(a for a in self.expert_axes if a != self.axis_name and a not in exchange)
     if exchange and self._to_all(dropless):
-      return self._all_to_all(xc, weights, experts, compute_dtype, exchange, summed, routed)
+      to_all = self._all_to_all if self.capacity_factor else self._ragged_all_to_all
+      return to_all(xc, weights, experts, compute_dtype, exchange, summed, routed)
     if exchange:
       xc = gather_to_parallel(xc, axis=0, axis_name=exchange)
       weights = gather_to_parallel(weights, axis=0, axis_name=exchange)
@@ -811,6 +829,100 @@ class MoE(ParallelModule):
       y = all_reduce(y, "sum", summed)
     return y, dropped
 
+  def _destinations(self, experts: Array, exchange: tuple[str, ...], routed: Array | None
+                    ) -> tuple[Array, int]:
+    """Where each choice of ``experts [n, k]`` goes: ``[n, k]`` ``dest * E_local + local
+    expert`` over the ``exchange`` devices (row-major), or ``devices * E_local`` for a
+    choice this device does not send (another device of a non-exchanged expert axis
+    holds its expert and sends it; or not ``routed``); and the exchange's device count."""
+    layout = self.expert_layout
+    e_local = layout.padded_size
+    sizes = {a: jax.lax.axis_size(a) for a in self.expert_axes}
+    offsets = jnp.asarray(layout.offsets, jnp.int32)
+    owner = jnp.searchsorted(offsets, experts, side="right") - 1  # [n, k], over expert_axes
+    coords, rest = {}, owner
+    for a in reversed(self.expert_axes):  # the owner's place on each expert axis
+      coords[a], rest = rest % sizes[a], rest // sizes[a]
+    mine = jnp.ones(experts.shape, bool) if routed is None else routed
+    for a in self.expert_axes:  # the other axes' devices send their own experts' choices
+      if a not in exchange:
+        mine = mine & (coords[a] == shard_index(a))
+    dest = 0
+    for a in exchange:
+      dest = dest * sizes[a] + coords[a]
+    devices = math.prod(sizes[a] for a in exchange)
+    return jnp.where(mine, dest * e_local + experts - offsets[owner], devices * e_local), devices
+
+  def _dropped_total(self, dropped: Array, summed: tuple[str, ...]) -> Array:
+    if self.axis_name in self.expert_axes:  # each model device its own experts' choices
+      dropped = all_reduce(dropped, "sum", self.axis_name)
+    elif is_varying(dropped, self.axis_name):  # sequence parallel: equal on every device
+      dropped = jax.lax.pmax(dropped, self.axis_name)
+    if summed:
+      dropped = all_reduce(dropped, "sum", summed)
+    return dropped
+
+  def _ragged_all_to_all(self, xc: Array, weights: Array, experts: Array,
+                         compute_dtype: Any, exchange: tuple[str, ...],
+                         summed: tuple[str, ...], routed: Array | None
+                         ) -> tuple[Array, Array]:
+    """``_routed`` by all-to-all, dropless: exactly this device's routed choices sent to
+    the devices holding their experts with ``jax.lax.ragged_all_to_all``, run there as
+    grouped matmuls, and sent back the same way.
+
+    The ``n k`` choices are sorted by (destination, local expert) so that each
+    destination's are one contiguous slice; one small all-to-all tells each device how
+    many rows of each of its experts every source sends, and one all-gather of the
+    ``[D]`` send sizes where each source's slice starts in each receiver's buffer (the
+    slices in source order). A receiver's buffer holds the most it could get,
+    ``D * n * min(k, E_local)`` rows (a token picks distinct experts); only the received
+    rows run through the experts (``grouped_swiglu``, the rest in no group)."""
+    e_local = self.expert_layout.padded_size
+    n, k = experts.shape
+    d = xc.shape[-1]
+    queue, devices = self._destinations(experts, exchange, routed)
+    flat = queue.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # [n k]: by destination, then local expert
+    counts = jnp.bincount(flat, length=devices * e_local + 1)[:-1].astype(jnp.int32)
+    counts = counts.reshape(devices, e_local)  # [D, E_local]: rows to each device's experts
+    send_sizes = counts.sum(1)
+    input_offsets = exclusive_cumsum(send_sizes)
+    recv_counts = jax.lax.all_to_all(counts, exchange, 0, 0, tiled=True)  # row i: from i
+    recv_sizes = recv_counts.sum(1)
+    every = jax.lax.all_gather(send_sizes, exchange, axis=0, tiled=False)  # [src, dest]
+    me = 0
+    for a in exchange:
+      me = me * jax.lax.axis_size(a) + shard_index(a)
+    earlier = jnp.arange(devices) < me
+    # where this device's slice lands in each receiver's buffer (after the earlier
+    # sources'), and where each source's rows go back in its own send order
+    output_offsets = jnp.sum(jnp.where(earlier[:, None], every, 0), axis=0)
+    back_offsets = jnp.sum(jnp.where(earlier[None, :], every, 0), axis=1)
+    rows = devices * n * min(k, e_local)
+    send = xc[order // k]
+    received = ragged_all_to_all(send, jnp.zeros((rows, d), xc.dtype), input_offsets,
+                                 send_sizes, output_offsets, recv_sizes, axis_name=exchange)
+    # the received rows: each source's slice in source order, in it each expert's rows
+    starts = (exclusive_cumsum(recv_sizes)[:, None]
+              + exclusive_cumsum(recv_counts, axis=1)).reshape(-1)
+    row = jnp.arange(rows)
+    group = jnp.searchsorted(starts, row, side="right") - 1  # (empty groups: skipped)
+    slot = jnp.where(row < recv_sizes.sum(), group % e_local, e_local)
+    gate, up, down = (w_.astype(compute_dtype) for w_ in self._local_experts())
+    ye = grouped_swiglu(copy_to_parallel(received, self.axis_name), slot[:, None],
+                        jnp.ones((rows, 1), compute_dtype), gate, up, down, self.precision,
+                        biases=self._local_biases(compute_dtype), activation=self.activation)
+    back = ragged_all_to_all(ye, jnp.zeros((n * k, d), ye.dtype),
+                             exclusive_cumsum(recv_sizes), recv_sizes, back_offsets,
+                             send_sizes, axis_name=exchange)
+    # each choice's output back in (token, choice) order, weighted there
+    outputs = jnp.zeros((n * k, d), back.dtype).at[order].set(back).reshape(n, k, d)
+    scale = jnp.where(flat.reshape(n, k) < devices * e_local, weights, 0).astype(back.dtype)
+    y = jnp.einsum("nk,nkd->nd", scale, outputs)
+    if summed:
+      y = all_reduce(y, "sum", summed)
+    return y, self._dropped_total(jnp.zeros((), jnp.float32), summed)
+
   def _all_to_all(self, xc: Array, weights: Array, experts: Array, compute_dtype: Any,
                   exchange: tuple[str, ...], summed: tuple[str, ...],
                   routed: Array | None) -> tuple[Array, Array]:
@@ -826,24 +938,9 @@ class MoE(ParallelModule):
     exchange's devices) each way: one ``jax.lax.all_to_all`` out, the experts as batched
     matmuls over ``[E_local, D * capacity, d]``, one back.
     """
-    layout = self.expert_layout
     n, k = experts.shape
-    e_local, d = layout.padded_size, xc.shape[-1]
-    sizes = {a: jax.lax.axis_size(a) for a in self.expert_axes}
-    offsets = jnp.asarray(layout.offsets, jnp.int32)
-    owner = jnp.searchsorted(offsets, experts, side="right") - 1  # [n, k], over expert_axes
-    coords, rest = {}, owner
-    for a in reversed(self.expert_axes):  # the owner's place on each expert axis
-      coords[a], rest = rest % sizes[a], rest // sizes[a]
-    mine = jnp.ones(experts.shape, bool) if routed is None else routed
-    for a in self.expert_axes:  # the other axes' devices send their own experts' choices
-      if a not in exchange:
-        mine = mine & (coords[a] == shard_index(a))
-    dest = 0
-    for a in exchange:
-      dest = dest * sizes[a] + coords[a]
-    devices = math.prod(sizes[a] for a in exchange)
-    queue = jnp.where(mine, dest * e_local + experts - offsets[owner], devices * e_local)
+    e_local, d = self.expert_layout.padded_size, xc.shape[-1]
+    queue, devices = self._destinations(experts, exchange, routed)
     capacity = expert_capacity(n, k, self.num_experts, self.capacity_factor)
     flat, w = queue.reshape(-1), weights.reshape(-1)
     order, sorted_queue, rank = expert_queues(
@@ -868,14 +965,9 @@ class MoE(ParallelModule):
     y = jnp.zeros((n, d), ys.dtype).at[token].add(ys * scale[:, None])
     dropped = jax.lax.stop_gradient(
         jnp.sum((sorted_queue < devices * e_local) & ~sent).astype(jnp.float32))
-    if self.axis_name in self.expert_axes:  # each model device its own experts' choices
-      dropped = all_reduce(dropped, "sum", self.axis_name)
-    elif is_varying(dropped, self.axis_name):  # sequence parallel: equal on every device
-      dropped = jax.lax.pmax(dropped, self.axis_name)
     if summed:
-      dropped = all_reduce(dropped, "sum", summed)
       y = all_reduce(y, "sum", summed)
-    return y, dropped
+    return y, self._dropped_total(dropped, summed)
 
   def _shared(self, x: Array, compute_dtype: Any, block: Array,
               seq: SequenceSplit | None) -> Array:

@@ -562,8 +562,68 @@ def test_a_transformer_step_is_the_same_with_either_dispatcher(meshes, mesh_spec
     np.testing.assert_allclose(g2[key], g1[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
-def test_the_all_to_all_dispatcher_needs_a_capacity():
-  with pytest.raises(ValueError, match="dispatcher 'all_to_all' needs a capacity_factor"):
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+  """``jax.lax.ragged_all_to_all`` as its docstring defines it (one slice per device),
+  built from ``jax.lax.all_to_all`` for XLA:CPU, which lacks the collective: slice ``j``
+  of this device's ``operand`` (``input_offsets[j]``, ``send_sizes[j]`` rows) is written
+  into device ``j``'s ``output`` at the offset this device names (``output_offsets[j]``);
+  ``recv_sizes[i]`` rows arrive from device ``i``."""
+  m, rows = operand.shape[0], jnp.arange(operand.shape[0])
+  taken = jnp.clip(input_offsets[:, None] + rows[None, :], 0, m - 1)  # [D, m]
+  blocks = jnp.where((rows[None, :] < send_sizes[:, None])[..., None], operand[taken], 0)
+  got = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # block i: from device i
+  at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where i writes
+  target = jnp.where(rows[None, :] < recv_sizes[:, None], at[:, None] + rows[None, :],
+                     output.shape[0])  # (beyond the output: dropped)
+  return output.at[target.reshape(-1)].set(got.reshape(-1, operand.shape[-1]), mode="drop")
+
+
+def test_the_emulated_ragged_all_to_all_is_the_documented_one():
+  """The emulation on an example worked by hand from ``jax.lax.ragged_all_to_all``'s
+  definition (two devices): device 0 sends its row 0 to itself at offset 0 and rows 1-2
+  to device 1 at offset 3; device 1 sends its rows 0-2 to device 0 at offset 1."""
+  mesh = flax_tp.make_mesh("2x1")
+  operand = jnp.asarray([[1., 2, 3, 0], [4, 5, 6, 7]])[..., None]  # a row per device
+  args = dict(input_offsets=[[0, 1], [0, 0]], send_sizes=[[1, 2], [3, 0]],
+              output_offsets=[[0, 3], [1, 0]], recv_sizes=[[1, 3], [2, 0]])
+  args = {k: jnp.asarray(v, jnp.int32) for k, v in args.items()}
+
+  def run(operand, input_offsets, send_sizes, output_offsets, recv_sizes):
+    return emulated_ragged_all_to_all(operand[0], -jnp.ones((5, 1)), input_offsets[0],
+                                      send_sizes[0], output_offsets[0], recv_sizes[0],
+                                      axis_name="data")[None]
+  spec = jax.sharding.PartitionSpec("data")
+  out = jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec)(operand, *args.values())
+  np.testing.assert_array_equal(out[..., 0], [[1, 4, 5, 6, -1], [-1, -1, -1, 2, 3]])
+
+
+@pytest.mark.parametrize("mesh_spec,expert_axes", [
+    ("4x2", "data"),
+    pytest.param("8x1", "data", marks=pytest.mark.slow),
+    pytest.param("2x4", "data,model", marks=pytest.mark.slow),
+    pytest.param("2x2x2", "data,context", marks=pytest.mark.slow)])
+def test_the_dropless_all_to_all_equals_the_all_gather(monkeypatch, mesh_spec, expert_axes):
+  """Dropless, the all-to-all dispatcher sends each routed choice to its expert's device
+  with ``jax.lax.ragged_all_to_all`` (here its emulation: XLA:CPU lacks it) and gives
+  the dropless all-gather's outputs, router statistics and every gradient."""
+  monkeypatch.setattr(flax_tp.moe, "ragged_all_to_all", emulated_ragged_all_to_all)
+  monkeypatch.setattr(flax_tp.moe, "RAGGED_ALL_TO_ALL_PLATFORMS", frozenset({"cpu"}))
+  mesh = flax_tp.make_mesh(mesh_spec)
+  gathered, to_all = _moe_pair(mesh, None, expert_axes)
+  x = jax.random.normal(jax.random.key(2), (24, D_MODEL))
+  y1, s1, g1 = _value_and_grads(gathered, x)
+  y2, s2, g2 = _value_and_grads(to_all, x)
+  np.testing.assert_allclose(y2, y1, rtol=1e-6, atol=1e-6)
+  for a, b in zip(s1, s2, strict=True):
+    np.testing.assert_allclose(b, a, rtol=1e-6)
+  for key in g1:
+    np.testing.assert_allclose(g2[key], g1[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_the_all_to_all_dispatcher_needs_a_capacity_where_xla_lacks_ragged_all_to_all():
+  with pytest.raises(ValueError, match="without a capacity_factor .dropless. needs "
+                     "jax.lax.ragged_all_to_all, which XLA on 'cpu' does not implement"):
     MoE(D_MODEL, D_FF, 6, 2, mesh=flax_tp.make_mesh("2x1"), dispatcher="all_to_all",
         rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="dispatcher must be one of"):

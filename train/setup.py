@@ -87,12 +87,13 @@ class SetUp:
     if job.execution.expert_dispatcher != "all_gather" and not self.cfg.has_experts:
       raise UsageError("--expert-dispatcher all-to-all is for a model with experts; this one "
                        "has none")
+    platform = jax.devices()[0].platform
     if (job.execution.expert_dispatcher == "all_to_all"
-        and self.cfg.expert_capacity_factor is None):
-      raise UsageError("--expert-dispatcher all-to-all needs --expert-capacity-factor: its "
-                       "buffers are sized by a capacity (the dropless all-to-all, "
-                       "jax.lax.ragged_all_to_all, is not implemented on XLA:CPU and flax_tp "
-                       "does not use it yet)")
+        and self.cfg.expert_capacity_factor is None
+        and platform not in flax_tp.moe.RAGGED_ALL_TO_ALL_PLATFORMS):
+      raise UsageError(f"--expert-dispatcher all-to-all without --expert-capacity-factor "
+                       f"(dropless) needs jax.lax.ragged_all_to_all, which XLA on {platform!r} "
+                       f"does not implement: give a capacity factor, or use all-gather")
     if job.loss.router_z_loss and not self.cfg.has_experts:  # never a weight that does nothing
       raise UsageError(f"--router-z-loss {job.loss.router_z_loss} is for a model with experts "
                        "(it weighs their router's z-loss); this one has none")
