@@ -170,9 +170,8 @@ def deepseek_v3_layer() -> list[dict[str, Any]]:
   mesh = flax_tp.make_mesh(f"{c['data']}x1")
   rows = []
   for setting in ("all_gather", "all_to_all@1.25"):
-    abstract = nnx.eval_shape(lambda: flax_tp.MoE(
-        c["d"], c["width"], c["experts"], c["k"], mesh=mesh, rngs=nnx.Rngs(0),
-        **SETTINGS[setting]))
+    abstract = nnx.eval_shape(lambda options=SETTINGS[setting]: flax_tp.MoE(
+        c["d"], c["width"], c["experts"], c["k"], mesh=mesh, rngs=nnx.Rngs(0), **options))
     graphdef, state = nnx.split(abstract)
     state = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), state,
@@ -180,7 +179,7 @@ def deepseek_v3_layer() -> list[dict[str, Any]]:
     x = jax.ShapeDtypeStruct((c["data"] * c["tokens"], c["d"]), jnp.float32,
                              sharding=NamedSharding(mesh, PartitionSpec("data")))
 
-    def loss(state, x):
+    def loss(state, x, graphdef=graphdef):
       return jnp.sum(nnx.merge(graphdef, state)(x)[0] ** 2)
 
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x).compile().as_text()
