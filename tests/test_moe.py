@@ -533,20 +533,30 @@ def test_all_to_all_sends_the_routed_copies_not_every_token(mesh_spec):
   assert dispatch["all_to_all"] <= bound * dispatch["all_gather"], dispatch
 
 
-@pytest.mark.parametrize("mesh_spec,options", [
-    ("4x2", {"sequence_parallel": True, "scan_layers": True}),
-    pytest.param("2x2x2", {"expert_axes": "data,context"}, marks=pytest.mark.slow),
-    pytest.param("2x4", {"expert_axes": "data,model", "fsdp": True},
+@pytest.mark.parametrize("mesh_spec,options,factor", [
+    ("4x2", {"sequence_parallel": True, "scan_layers": True}, 3.0),
+    pytest.param("2x2x2", {"expert_axes": "data,context"}, 3.0, marks=pytest.mark.slow),
+    pytest.param("2x4", {"expert_axes": "data,model", "fsdp": True}, 3.0,
+                 marks=pytest.mark.slow),
+    # dropless: ragged_all_to_all (emulated on CPU)
+    pytest.param("4x2", {"sequence_parallel": True, "scan_layers": True}, None,
+                 marks=pytest.mark.slow),
+    pytest.param("2x2x2", {"expert_axes": "data,context", "context_parallel": "ring"}, None,
                  marks=pytest.mark.slow)])
-def test_a_transformer_step_is_the_same_with_either_dispatcher(meshes, mesh_spec, options):
+def test_a_transformer_step_is_the_same_with_either_dispatcher(monkeypatch, mesh_spec,
+                                                               options, factor):
   """Execution(expert_dispatcher="all_to_all") at capacity factor E / k (nothing can
-  drop): the step's loss, router figures and every gradient are the all-gather's."""
+  drop), or dropless (``jax.lax.ragged_all_to_all``, emulated as XLA:CPU lacks it): the
+  step's loss, router figures and every gradient are the all-gather's."""
   from models.config import TransformerConfig
   from models.execution import Execution
   from models.transformer import Transformer
   from train.step import Trainer, make_optimizer
+  if factor is None:
+    monkeypatch.setattr(flax_tp.moe, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(flax_tp.moe, "RAGGED_ALL_TO_ALL_PLATFORMS", frozenset({"cpu"}))
   mesh = flax_tp.make_mesh(mesh_spec)
-  cfg = TransformerConfig.preset("moe-tiny", expert_capacity_factor=3.0)
+  cfg = TransformerConfig.preset("moe-tiny", expert_capacity_factor=factor)
   tokens = jax.random.randint(jax.random.key(1), (4, cfg.max_seq_len + 1), 0, cfg.vocab_size)
   results = []
   for dispatcher in ("all_gather", "all_to_all"):
