@@ -90,7 +90,7 @@ class TransformerConfig:
   qkv_bias: bool = True
   attn_out_bias: bool = True
   mlp_bias: bool = True
-  # -- what the families beyond Llama/Qwen2 need (models/families.py). At their
+  # -- what the families beyond Llama/Qwen2 need (models/families/). At their
   # defaults they leave identity() as it was before they existed.
   rope_scaling: RopeScaling | None = None  # on full-attention layers (all layers without
   # rope_local_base)
@@ -112,7 +112,7 @@ class TransformerConfig:
   # each residual add (Gemma 2, 3: four norms per block)
   pre_norm: bool = True  # the norms before attention and before the MLP; False with
   # sandwich_norm: only the norms after them (OLMo 2/3)
-  family: str | None = None  # the HF family it reads from / writes as (models/families.py);
+  family: str | None = None  # the HF family it reads from / writes as (models/families/);
   # None: Llama, or Qwen2 where only q/k/v have biases
   # -- mixture of experts (flax_tp.MoE; Mixtral, Qwen2-MoE, Qwen3-MoE). None: dense.
   num_experts: int | None = None  # routed SwiGLU experts in each MoE layer

@@ -1,5 +1,5 @@
 """HuggingFace checkpoints in and out of ``models.transformer.Transformer``: the families
-of ``models/families.py`` (Llama 2/3.x, Qwen2, Qwen3, Mistral, Gemma 1-3, Phi-3, and the
+of ``models/families/`` (Llama 2/3.x, Qwen2, Qwen3, Mistral, Gemma 1-3, Phi-3, and the
 mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE).
 
     model = load_hf("path/to/dir", flax_tp.make_mesh("2x4"))   # config.json + safetensors
@@ -308,7 +308,7 @@ def _separate_head(directory: Path) -> bool:
 def load_hf(path: str | Path, mesh: Mesh, *, seed: int = 0,
             execution: Execution = Execution(), lora: flax_tp.LoRAConfig | None = None,
             **overrides) -> Transformer:
-  """The ``Transformer`` of a local HF directory (a family of ``models/families.py``), on
+  """The ``Transformer`` of a local HF directory (a family of ``models/families/``), on
   ``mesh``, run as ``execution`` says (sequence parallelism, remat, scanned layers, FSDP).
 
   Each tensor is read on its own, converted to the flax layout and placed into
@@ -429,7 +429,7 @@ def save_hf(model: Transformer, path: str | Path, *,
             special_tokens: dict[str, int | list[int] | None] | None = None,
             base_config: dict[str, Any] | None = None) -> None:
   """Writes ``config.json`` and ``model.safetensors`` (float32) that transformers loads,
-  as the model's family (``models/families.py``) names them.
+  as the model's family (``models/families/``) names them.
 
   special_tokens: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` to write into
   config.json (flax_tp's model does not carry them).

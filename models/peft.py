@@ -4,7 +4,7 @@ A PEFT LoRA folder holds ``adapter_config.json`` and ``adapter_model.safetensors
 tensors are named after the base's modules: ``base_model.model.<module>.lora_A.weight
 [r, in]`` and ``...lora_B.weight [out, r]`` (torch's ``[out, in]``; flax_tp stores
 ``lora_a [in, r]``, ``lora_b [r, out]``). The module names are the HF family's
-(``models/families.py``): ``blocks.3.attn.q`` is ``model.layers.3.self_attn.q_proj``.
+(``models/families/``): ``blocks.3.attn.q`` is ``model.layers.3.self_attn.q_proj``.
 ``peft.PeftModel.from_pretrained(transformers_model, folder)`` reads what
 ``save_peft_adapter`` writes, and ``load_peft_adapter`` reads what ``peft`` saves.
 
