@@ -118,34 +118,24 @@ def core_of(context: ContextSplit | None):
 def local(q, k, v, spec, q_positions, k_positions, kv_index, dropout):
   """The core over keys that are every key a query sees (``attend``'s arguments).
 
-  Without dropout, soft-capping or sinks this is ``jax.nn.dot_product_attention`` (XLA's
-  implementation: the same formula, scores in float32; a window or positions are its
-  mask). Dropout on the probabilities needs them materialised, which no fused kernel
-  exposes, and no fused kernel here soft-caps or takes a sink, so those keep the
-  explicit form.
+  Every case is the one explicit form (``_explicit``: scores in float32, a window or
+  positions as its mask, soft-caps, sinks and dropout where asked). It is
+  ``jax.nn.dot_product_attention``'s XLA implementation written out without the vmap over
+  query groups, whose transposes made XLA:CPU's step 0-8% slower (BENCHMARKS.md §2); no
+  fused kernel takes a sink, soft-cap or dropout on the probabilities anyway.
   """
   if kv_index is not None:  # each query head's own kv head (replicas straddling groups)
     k, v = jnp.take(k, kv_index, axis=2), jnp.take(v, kv_index, axis=2)
   rate = spec.dropout if dropout is not None else 0.0
   if q_positions is None:
     s = q.shape[1]
-    mask = None
-    if spec.window is not None:
-      pos = jnp.arange(s)
-      mask = visible_keys(pos[:, None], pos[None, :], spec.window)[None, None]
-    if rate == 0.0 and spec.softcap is None and spec.sinks is None:
-      if mask is None and spec.scale is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-      return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=spec.scale, is_causal=True)
-    if mask is None:
-      mask = jnp.tril(jnp.ones((s, s), bool))
+    pos = jnp.arange(s)
+    mask = visible_keys(pos[:, None], pos[None, :], spec.window)  # [s, s]
     keep = None if rate == 0.0 else ops.keep_mask(dropout.key, rate, dropout.rows, (s, s),
                                                   dropout.heads)
     return _explicit(q, k, v, mask, spec, keep)
   mask = visible_keys(q_positions[..., :, None], k_positions[None, :], spec.window)
   mask = mask[None, None] if mask.ndim == 2 else mask[:, None]  # [b | 1, 1, s, t]
-  if rate == 0.0 and spec.softcap is None and spec.sinks is None:
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=spec.scale)
   keep = None if rate == 0.0 else dropout.keep_at(rate, q_positions, k_positions)
   return _explicit(q, k, v, mask, spec, keep)
 
@@ -208,11 +198,14 @@ def _explicit(q, k, v, mask, spec, keep):
   None. With ``spec.sinks`` each head's sink logit joins every row's softmax as one more
   column whose value is zero (transformers' GPT-OSS: the logits and the sink, less their
   max, through one softmax, the sink's column dropped)."""
-  group = q.shape[2] // k.shape[2]
-  if group > 1:
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-  scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1])) if spec.scale is None else spec.scale
-  scores = jnp.einsum("bqhk,bthk->bhqt", q, k, preferred_element_type=jnp.float32) * scale
+  b, s, h, d = q.shape
+  t, g = k.shape[1], k.shape[2]
+  # grouped-query attention without copying k and v per query head: query head i reads
+  # kv head i // (h / g), so q's heads are split [g, h / g] and the scores joined back
+  grouped = q.reshape(b, s, g, h // g, d)
+  scale = 1.0 / jnp.sqrt(jnp.float32(d)) if spec.scale is None else spec.scale
+  scores = jnp.einsum("bqgrk,btgk->bgrqt", grouped, k,
+                      preferred_element_type=jnp.float32).reshape(b, h, s, t) * scale
   scores = jnp.where(mask, ops.softcap_of(scores, spec.softcap), jnp.finfo(jnp.float32).min)
   if spec.sinks is None:
     probs = jax.nn.softmax(scores, axis=-1)
@@ -223,4 +216,5 @@ def _explicit(q, k, v, mask, spec, keep):
     probs = weights / (jnp.sum(weights, -1, keepdims=True) + jnp.exp(sink - top))
   if keep is not None:
     probs = ops.apply_keep(probs, keep, spec.dropout)
-  return jnp.einsum("bhqt,bthk->bqhk", probs.astype(v.dtype), v)
+  probs = probs.astype(v.dtype).reshape(b, g, h // g, s, t)
+  return jnp.einsum("bgrqt,btgk->bqgrk", probs, v).reshape(b, s, h, d)
