@@ -11,9 +11,10 @@
   with flax_tp's models: plain NNX layers whose initializers carry Megatron specs
   (``nnx.with_partitioning``), one fused q/k/v projection laid out per head
   (``[heads, 3, head_dim]``, so splitting its outputs splits whole heads), rotary
-  positions (so it computes what flax_tp's model computes), a tied head, optax's
-  cross-entropy, a mesh of ``Auto`` axes, one ``jax.jit``. Multi-head only (the GPT
-  family): GELU MLP, LayerNorm, biases, as the ``small`` preset.
+  positions (so it computes what flax_tp's model computes), attention as einsums with a
+  causal ``where`` (as ``../shared/peers/gspmd_gpt.py``, the faster form on XLA:CPU), a
+  tied head, optax's cross-entropy, a mesh of ``Auto`` axes, one ``jax.jit``. Multi-head
+  only (the GPT family): GELU MLP, LayerNorm, biases, as the ``small`` preset.
 - ``data_parallel``: the reference model replicated, batch split over all devices.
 - ``single``: the reference model on one device, plain ``jax.jit``.
 """
@@ -175,7 +176,11 @@ class GPTBlock(nnx.Module):
     qkv = self.qkv(self.ln1(x_bsd)).reshape(b, s, cfg.num_heads, 3, cfg.head_dim)
     q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
     q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
-    attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    # attention written out as a docs-style GPT writes it (issue 41's peer,
+    # ../shared/peers/gspmd_gpt.py): on XLA:CPU faster than jax.nn.dot_product_attention
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(cfg.head_dim))
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+    attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
     x_bsd = x_bsd + self.o(attn.reshape(b, s, -1))
     return x_bsd + self.down(jax.nn.gelu(self.up(self.ln2(x_bsd))))
 
