@@ -299,3 +299,30 @@ def test_lora_on_latent_attention_reads_in_peft(tmp_path, meshes):
   got = logical_arrays(nnx.state(again, nnx.LoRAParam))
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
+
+
+def test_lora_on_gpt_oss_attention_reads_in_peft(tmp_path, meshes):
+  """GPT-OSS (the transformers-made fixture: sinks, biased q/k/v/o, sliding and full
+  layers, biased clamped experts): adapters on its biased attention projections, B random,
+  read in ``peft.PeftModel`` to flax_tp's logits on 2x4, and back exactly on 1x3."""
+  torch, transformers, peft = live()
+  base = FIXTURES / "hf" / "gpt_oss"
+  lora = flax_tp.LoRAConfig(rank=3, alpha=5.0, init_weights=False,
+                            targets=("blocks.*.attn.q", "blocks.*.attn.v", "blocks.*.attn.o"))
+  model = load_hf(base, meshes["2x4"], lora=lora)
+  ids = IDS % model.cfg.vocab_size
+  ours = np.asarray(model(jnp.asarray(ids)))
+  modules = save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(base))
+  assert "model.layers.1.self_attn.o_proj" in modules
+  assert len(modules) == 3 * model.cfg.num_layers
+  plain = transformers.AutoModelForCausalLM.from_pretrained(
+      base, attn_implementation="eager", experts_implementation="eager").eval()
+  theirs = peft.PeftModel.from_pretrained(plain, tmp_path / "adapter").eval()
+  with torch.no_grad():
+    np.testing.assert_allclose(theirs(torch.as_tensor(ids)).logits.numpy(), ours, rtol=1e-5,
+                               atol=1e-5)
+  again = load_peft_adapter(base, tmp_path / "adapter", meshes["1x3"])
+  want = logical_arrays(nnx.state(model, nnx.LoRAParam))
+  got = logical_arrays(nnx.state(again, nnx.LoRAParam))
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
