@@ -3,7 +3,8 @@
 
 A mesh always has ``"data"`` (data parallelism, FSDP, the experts) and ``"model"``
 (tensor and sequence parallelism); ``"context"`` (the sequence split for long contexts)
-joins them, between the two, when it has more than one device. A role without an axis
+joins them, between the two, when it has more than one device, and ``"stage"``
+(pipeline stages, ``flax_tp.pipeline``) before them all. A role without an axis
 has size 1: ``MeshAxes.of(mesh)`` reads every role's size from any mesh. Which axes a
 mixture of experts' experts split over is the record's too (``MeshAxes.expert_axes``):
 ``"data"`` by default, with ``"context"`` and/or ``"model"`` if asked.
@@ -21,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+STAGE_AXIS = "stage"
 DATA_AXIS = "data"
 CONTEXT_AXIS = "context"
 MODEL_AXIS = "model"
@@ -36,17 +38,19 @@ class MeshAxes:
   ``ROLES`` lists the roles in device order (the last varies fastest: consecutive
   devices share ``"model"``, which talks every layer, then ``"context"``, which talks
   every attention). ``"data"`` and ``"model"`` are always axes of the mesh (specs name
-  them); an optional role (``OPTIONAL``: ``"context"``; ``"stage"`` comes with pipeline
-  parallelism) is an axis only when it has more than one device, so ``"2x1x4"`` builds
-  the very mesh ``"2x4"`` does.
+  them); an optional role (``OPTIONAL``: ``"stage"``, ``"context"``) is an axis only
+  when it has more than one device, so ``"2x1x4"`` builds the very mesh ``"2x4"`` does.
+  ``"stage"`` (pipeline stages) comes first, varying slowest: it talks least (one
+  activation per microbatch per stage boundary), so it may span nodes.
   """
 
   data: int = 1
   context: int = 1
   model: int = 1
+  stage: int = 1
 
-  ROLES = (DATA_AXIS, CONTEXT_AXIS, MODEL_AXIS)
-  OPTIONAL = (CONTEXT_AXIS,)
+  ROLES = (STAGE_AXIS, DATA_AXIS, CONTEXT_AXIS, MODEL_AXIS)
+  OPTIONAL = (STAGE_AXIS, CONTEXT_AXIS)
   # The roles whose devices hold different tokens of one step (gradients are summed
   # over them), and those a mixture of experts' experts may split over: always "data",
   # then "context" (each context shard's tokens go to the experts on the others) and
@@ -58,8 +62,8 @@ class MeshAxes:
 
   @classmethod
   def parse(cls, spec: str | Sequence[int] | MeshAxes) -> MeshAxes:
-    """``"DxM"``, ``"DxCxM"``, the named form ``"data=2,context=2,model=2"`` (any
-    order, a missing role is 1), a tuple ``(D, M)`` / ``(D, C, M)``, or a ``MeshAxes``.
+    """``"DxM"``, ``"DxCxM"``, the named form ``"data=2,context=2,model=2"`` or
+    ``"stage=2,data=2,model=2"`` (any order, a missing role is 1), a tuple ``(D, M)`` / ``(D, C, M)``, or a ``MeshAxes``.
     ``ValueError`` naming the spec for anything else: an unknown or repeated role, a
     size that is not a positive integer, a wrong number of sizes."""
     if isinstance(spec, MeshAxes):
@@ -112,7 +116,7 @@ class MeshAxes:
 
   @property
   def devices(self) -> int:
-    return self.data * self.context * self.model
+    return self.stage * self.data * self.context * self.model
 
   def size(self, role: str) -> int:
     return getattr(self, role)
@@ -156,7 +160,10 @@ class MeshAxes:
     return tuple(r for r in self.expert_roles(roles) if self.size(r) > 1)
 
   def __str__(self) -> str:
-    """``"DxM"`` without a context axis, else ``"DxCxM"``."""
+    """``"DxM"`` without a context axis, else ``"DxCxM"``; with pipeline stages the
+    named form (``"stage=2,data=2,model=2"``)."""
+    if self.stage > 1:
+      return ",".join(f"{r}={self.size(r)}" for r in self.axis_names)
     sizes = (self.data, self.context, self.model) if self.context > 1 else (
         self.data, self.model)
     return "x".join(map(str, sizes))
@@ -242,14 +249,15 @@ def _check_cpu_threads(devices: Sequence[jax.Device]) -> None:
 def make_mesh(spec: str | Sequence[int] | MeshAxes, *,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ``jax.sharding.Mesh`` of the roles ``spec`` gives (``MeshAxes.parse``: ``"2x4"``,
-  ``"2x2x2"``, ``"data=2,context=2,model=2"``): axes ``("data", "model")``, with
-  ``"context"`` between them when it has more than one device.
+  ``"2x2x2"``, ``"data=2,context=2,model=2"``, ``"stage=2,data=2,model=2"``): axes
+  ``("data", "model")``, with ``"context"`` between them when it has more than one
+  device and ``"stage"`` before them when it has more than one.
 
-  Uses the first ``D * C * M`` of ``devices`` (default: ``jax.devices()``), laid out
+  Uses the first ``S * D * C * M`` of ``devices`` (default: ``jax.devices()``), laid out
   so that consecutive devices share the ``"model"`` axis: tensor parallelism
   talks every layer and wants the fastest links, which neighbouring devices (and
   devices of one process) have; context parallelism, which talks every attention,
-  comes next.
+  comes next; pipeline stages, which talk least, are furthest apart.
   """
   axes = MeshAxes.parse(spec)
   available = list(devices) if devices is not None else sorted(

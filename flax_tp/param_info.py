@@ -11,6 +11,9 @@ A parallel parameter is an ``nnx.Param`` holding a global ``jax.Array`` in its s
   layers stacked on a new leading axis (``stack_layers``): how many, and where the
   layer number goes in its per-layer path; ``tp_first_layer`` on a run of a model's
   layers stacked apart from the others (``stack_layer_runs``): its first layer's number;
+  ``tp_layer_slots`` on stacked layers split into pipeline stages (``flax_tp.pipeline``):
+  which layer each slot of the leading axis holds, in stored order (None: an identity
+  layer, all zeros, padding the layers to a multiple of the stages);
 - ``fsdp_dim``: the dimension split over ``"data"`` too (FSDP), and ``fsdp_per_block``:
   that a block gathers it (``flax_tp.data_parallel``);
 - ``ep_layout`` / ``ep_dim``: on a mixture of experts' expert weights, the
@@ -29,6 +32,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -37,7 +43,8 @@ from flax_tp.partition import ShardLayout
 # flax_tp's own metadata keys, by ParamInfo field; a user's metadata may not set them.
 FSDP_DIM, FSDP_PER_BLOCK = "fsdp_dim", "fsdp_per_block"
 KEYS = {"layout": "tp_layout", "dim": "tp_dim", "layers": "tp_layers",
-        "layer_at": "tp_layer_at", "first_layer": "tp_first_layer", "fsdp_dim": FSDP_DIM, "fsdp_per_block": FSDP_PER_BLOCK,
+        "layer_at": "tp_layer_at", "first_layer": "tp_first_layer",
+        "layer_slots": "tp_layer_slots", "fsdp_dim": FSDP_DIM, "fsdp_per_block": FSDP_PER_BLOCK,
         "expert_layout": "ep_layout", "expert_dim": "ep_dim"}
 FLAX_TP_KEYS = tuple(KEYS.values())
 # nnx's keys that say where a param lives.
@@ -56,6 +63,8 @@ class ParamInfo:
   layer_at: int | None = None  # stacked: where the layer goes in its per-layer path
   first_layer: int | None = None  # stacked as one run of a model's layers (stack_layer_runs):
   # the number of its first layer, which replaces the run's index in the per-layer path
+  layer_slots: tuple | None = None  # pipelined: the layer each stored slot holds (None:
+  # an identity layer); None: slot i holds layer i
   fsdp_dim: int | None = None  # the dim split over "data" too (FSDP)
   fsdp_per_block: bool = False  # FSDP: gathered by its block, not by gather_for_step
   expert_layout: ShardLayout | None = None  # experts split over "data" (expert parallel)
@@ -80,6 +89,10 @@ class ParamInfo:
   def is_stacked(self) -> bool:
     return self.layers is not None
 
+  def slot_of(self, layer: int) -> int:
+    """Where layer ``layer`` of a stacked param sits on its leading axis."""
+    return layer if self.layer_slots is None else self.layer_slots.index(layer)
+
   @property
   def over_data(self) -> bool:
     """Whether FSDP splits the param over "data"."""
@@ -101,6 +114,8 @@ class ParamInfo:
       shape[self.dim] = self.layout.size
     if self.expert_layout is not None:
       shape[self.expert_dim] = self.expert_layout.size
+    if self.layer_slots is not None:  # pipeline stages' identity layers are not the model's
+      shape[0] = self.layers
     return tuple(shape)
 
   def per_layer(self) -> ParamInfo:
@@ -110,7 +125,7 @@ class ParamInfo:
     return dataclasses.replace(self, names=None if self.names is None else self.names[1:],
                                dim=shift(self.dim), expert_dim=shift(self.expert_dim),
                                layers=None, layer_at=None, first_layer=None,
-                               fsdp_dim=shift(self.fsdp_dim))
+                               layer_slots=None, fsdp_dim=shift(self.fsdp_dim))
 
   def unpad(self, stored: Any) -> Any:
     """The logical value of the whole stored array ``stored`` (padding stripped from
@@ -119,6 +134,8 @@ class ParamInfo:
       stored = self.layout.unpad(stored, self.dim)
     if self.expert_layout is not None:
       stored = self.expert_layout.unpad(stored, self.expert_dim)
+    if self.layer_slots is not None:  # the model's layers in order, no identity layers
+      stored = stored[np.array([self.slot_of(i) for i in range(self.layers)])]
     return stored
 
   def pad(self, logical: Any) -> Any:
@@ -127,6 +144,11 @@ class ParamInfo:
       logical = self.layout.pad(logical, self.dim)
     if self.expert_layout is not None:
       logical = self.expert_layout.pad(logical, self.expert_dim)
+    if self.layer_slots is not None:  # each layer in its slot, identity layers zero
+      xp = jnp if isinstance(logical, jax.Array) else np
+      zero = xp.zeros((1,) + tuple(logical.shape[1:]), logical.dtype)
+      rows = np.array([self.layers if at is None else at for at in self.layer_slots])
+      logical = xp.concatenate([logical, zero])[rows]
     return logical
 
 

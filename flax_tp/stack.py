@@ -131,4 +131,4 @@ def set_layer(var: nnx.Variable, layer: int, logical: Any, name: Any = "") -> No
         f"param {name}: got shape {tuple(value.shape)}, expected {tuple(expected)}")
   value = one.pad(value)
   sharding = NamedSharding(info.mesh, P(*one.names))
-  var.set_value(_update_layer(stacked, place(value, sharding), jnp.int32(layer)))
+  var.set_value(_update_layer(stacked, place(value, sharding), jnp.int32(info.slot_of(layer))))

@@ -47,12 +47,24 @@ def flat_leaves(trees: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def saved_keys(key: str, leaf: Any) -> list[str] | None:
   """The per-layer keys a stacked param (``flax_tp.stack_layers``) is saved
-  under, so stacked and unstacked models share checkpoints; None for any other leaf."""
+  under, in layer order, so stacked, unstacked and pipelined models share checkpoints;
+  None for any other leaf."""
   if stacked_layers(leaf) is None:
     return None
   parts = tuple(key.split("."))
   return [".".join(str(p) for p in layer_path(parts, leaf, i))
           for i in range(stacked_layers(leaf))]
+
+
+def slot_keys(key: str, leaf: Any) -> list[str | None] | None:
+  """``saved_keys`` in the order of the stacked param's leading axis (pipeline stages
+  store their layers in their own order, ``flax_tp.pipeline``), None for a slot holding
+  an identity layer, which is not saved."""
+  keys = saved_keys(key, leaf)
+  slots = ParamInfo.of(leaf).layer_slots
+  if keys is None or slots is None:
+    return keys
+  return [None if layer is None else keys[layer] for layer in slots]
 
 
 def layout_of(leaf: Any) -> dict[int, ShardLayout]:

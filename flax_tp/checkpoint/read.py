@@ -16,7 +16,14 @@ from flax import nnx
 
 from flax_tp.checkpoint.boxes import logical_boxes
 from flax_tp.checkpoint.errors import CheckpointError
-from flax_tp.checkpoint.keys import layer_layouts, layout_of, logical_shape, saved_keys, value_of
+from flax_tp.checkpoint.keys import (
+  layer_layouts,
+  layout_of,
+  logical_shape,
+  saved_keys,
+  slot_keys,
+  value_of,
+)
 
 
 class Pieces:
@@ -91,12 +98,18 @@ class Pieces:
         raise CheckpointError(f"checkpoint param {k!r}: got shape {saved}, expected {want} "
                               "(was it saved from another config?)")
 
+    layer_keys = slot_keys(key, leaf)  # (in stored order)
+
     def block(where: tuple[slice, ...], shape: tuple[int, ...], dtype: Any) -> np.ndarray:
       if not layer_keys:
         return self._block(key, where, shape, layouts, dtype)
       # A stacked param: its layers are separate params on disk.
       first, stop = where[0].indices(shape[0])[:2]
-      return np.stack([self._block(layer_keys[i], where[1:], shape[1:], layer_layouts(layouts),
+      # (a pipeline's identity layer, None, is zeros)
+      return np.stack([np.zeros([len(range(*s.indices(n))) for s, n in zip(where[1:], shape[1:],
+                                                                          strict=True)], dtype)
+                       if layer_keys[i] is None else
+                       self._block(layer_keys[i], where[1:], shape[1:], layer_layouts(layouts),
                                    dtype) for i in range(first, stop)])
 
     if not isinstance(target, jax.Array):

@@ -20,6 +20,7 @@ from flax_tp.checkpoint.keys import (
   layout_of,
   logical_shape,
   saved_keys,
+  slot_keys,
   value_of,
 )
 
@@ -60,7 +61,7 @@ class Snapshot:
       layer_keys = saved_keys(key, leaf)
       for k in layer_keys or [key]:
         self.table[k] = {"shape": shape[1:] if layer_keys else shape, "dtype": dtype}
-      keys = layer_keys or key
+      keys = slot_keys(key, leaf) or key
       if isinstance(value, jax.Array):
         for shard in value.addressable_shards:
           if shard.replica_id == 0:
@@ -81,7 +82,8 @@ class Snapshot:
         else:  # a stacked param: each layer of the block is its own param's piece
           first = where[0].indices(shape[0])[0]
           parts = [(keys[first + i], block[i], where[1:], shape[1:], layer_layouts(layouts))
-                   for i in range(block.shape[0])]
+                   for i in range(block.shape[0])
+                   if keys[first + i] is not None]  # (a pipeline's identity layer)
         for key, layer_block, layer_where, layer_shape, layer_layout in parts:
           for sl, start, box in logical_boxes(layer_where, layer_shape, layer_layout,
                                               first_copies=True):
