@@ -14,16 +14,24 @@ from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_p
 from flax_tp.logical import load_unsharded, unshard
 from flax_tp.lora import LoRAConfig, add_adapters, add_lora
 from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
-from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, MeshAxes, make_mesh, parse_mesh_spec
+from flax_tp.mesh import (
+    CONTEXT_AXIS,
+    DATA_AXIS,
+    MODEL_AXIS,
+    STAGE_AXIS,
+    MeshAxes,
+    make_mesh,
+    parse_mesh_spec,
+)
 from flax_tp.moe import (
-  TRAINED,
-  MoE,
-  Router,
-  RouterStats,
-  SelectionBias,
-  SwiGLU,
-  load_balancing_loss,
-  router_z_loss,
+    TRAINED,
+    MoE,
+    Router,
+    RouterStats,
+    SelectionBias,
+    SwiGLU,
+    load_balancing_loss,
+    router_z_loss,
 )
 from flax_tp.norm import logical_norm
 from flax_tp.params import place_on_mesh, replicate_on_mesh
@@ -33,6 +41,7 @@ from flax_tp.partition import (
     ShardLayout,
     split_tensor_for_parallelism,
 )
+from flax_tp.pipeline import StagePlan, run_pipeline, split_into_stages
 from flax_tp.plan import explain_plan, parallelize
 from flax_tp.sampling import vocab_parallel_sample
 from flax_tp.split_norm import SplitRMSNorm
@@ -45,6 +54,7 @@ __all__ = [
     "axis_is_bound",
     "ColumnParallelDense",
     "CONTEXT_AXIS",
+    "STAGE_AXIS",
     "copy_to_parallel",
     "DATA_AXIS",
     "explain_plan",
@@ -82,6 +92,9 @@ __all__ = [
     "stack_layers",
     "stack_layer_runs",
     "layer_runs",
+    "StagePlan",
+    "run_pipeline",
+    "split_into_stages",
     "unshard",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_sample",

@@ -12,8 +12,12 @@ the model), and applied to a built model in one place, ``apply``, in this order:
    (after 1, so the stacked module's graph carries it); a model mixing dense and
    mixture-of-experts blocks gets one stacked module per run of blocks of one kind,
    scanned in turn;
-3. FSDP: every param split over ``"data"`` too (last: it splits the stacked params
-   once, on their final shapes).
+3. pipeline stages: on a mesh whose ``"stage"`` axis has more than one device the
+   stacked blocks (stacked whatever ``scan_layers`` says) are split over it
+   (``flax_tp.pipeline``), identity layers padding their count, and the model runs
+   them as ``pipeline_schedule`` says on ``microbatches`` microbatches;
+4. FSDP: every param split over ``"data"`` too (last: it splits the stacked params
+   once, on their final shapes, per stage).
 
 Recomputation (``remat``) is read when the blocks run (``flax_tp.remat.run_blocks``).
 """
@@ -54,6 +58,14 @@ class Execution:
   # depend on the mesh) or "all_to_all" (each routed choice only to its expert's shard,
   # with expert_capacity_factor's capacity per source shard: drops that depend on D).
   expert_dispatcher: str = "all_gather"
+  # Pipeline parallelism (a mesh with a "stage" axis; without one, nothing changes): the
+  # batch each data shard runs is cut into this many microbatches, which flow through
+  # the stages; "gpipe" (each stage one group of consecutive layers) or "circular"
+  # (each stage pipeline_repeats groups of non-adjacent layers: a smaller bubble; by
+  # default as many groups as it holds layers).
+  microbatches: int = 1
+  pipeline_schedule: str = "gpipe"
+  pipeline_repeats: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "expert_axes", flax_tp.MeshAxes.expert_roles(self.expert_axes))
@@ -62,9 +74,25 @@ class Execution:
     if self.context_parallel not in CONTEXT_STRATEGIES:
       raise ValueError(f"context_parallel must be one of {CONTEXT_STRATEGIES}, got "
                        f"{self.context_parallel!r}")
+    if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or (
+        self.microbatches < 1):
+      raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
+    if self.pipeline_repeats is not None and (
+        isinstance(self.pipeline_repeats, bool) or not isinstance(self.pipeline_repeats, int)
+        or self.pipeline_repeats < 1):
+      raise ValueError(f"pipeline_repeats must be a positive integer or None, got "
+                       f"{self.pipeline_repeats!r}")
+    flax_tp.StagePlan.of(1, 1, self.pipeline_schedule, self.pipeline_repeats)  # checks both
     if self.expert_dispatcher not in flax_tp.moe.DISPATCHERS:
       raise ValueError(f"expert_dispatcher must be one of {flax_tp.moe.DISPATCHERS}, got "
                        f"{self.expert_dispatcher!r}")
+
+  def stage_plan(self, num_layers: int, stages: int) -> flax_tp.StagePlan | None:
+    """Which layers each of ``stages`` pipeline stages holds; None for one stage."""
+    if stages == 1:
+      return None
+    return flax_tp.StagePlan.of(num_layers, stages, self.pipeline_schedule,
+                                self.pipeline_repeats)
 
   def describe(self) -> list[str]:
     """The options in effect, in words (the training CLI's start-up line)."""
@@ -100,6 +128,9 @@ def apply(model: Any, execution: Execution) -> None:
   FSDP leaves replicated over ``"data"`` are read back from their records where they are
   reported, after a checkpoint or HF weights are loaded too.)"""
   set_sequence_parallel(model, execution.sequence_parallel)
+  stages = flax_tp.MeshAxes.of(model.mesh).stage
+  if stages > 1 and not execution.scan_layers:  # a pipeline's stages hold stacked layers
+    execution = dataclasses.replace(execution, scan_layers=True)
   if execution.scan_layers:
     # One module holding every block's params stacked [num_layers, ...] (one per run
     # of dense or MoE blocks): the scan reads them in place and the optimizer sees one
@@ -108,6 +139,15 @@ def apply(model: Any, execution: Execution) -> None:
     cfg = model.cfg
     model.blocks = flax_tp.stack_layer_runs(
         list(model.blocks), [cfg.is_moe_layer(i) for i in range(cfg.num_layers)])
+  model.pipeline = execution.stage_plan(model.cfg.num_layers, stages)
+  if model.pipeline is not None:
+    if isinstance(model.blocks, nnx.List):
+      kinds = sorted({"mixture-of-experts" if model.cfg.is_moe_layer(i) else "dense"
+                      for i in range(model.cfg.num_layers)})
+      raise ValueError(f"pipeline stages hold layers of one kind; this model mixes "
+                       f"{' and '.join(kinds)} layers (e.g. first_k_dense_replace): run it "
+                       "on a mesh without a 'stage' axis")
+    flax_tp.split_into_stages(model.blocks, model.pipeline)
   if execution.fsdp:  # params (and so the optimizer state) split over "data" too
     shard_over_data(model, per_block=(model.blocks,))
   model.execution = execution
@@ -118,6 +158,8 @@ def view(model: Any, execution: Execution) -> Any:
   differs only in what changes no param (sequence parallelism, remat): e.g. the
   decoder's, which has no sequence to split."""
   held = model.execution
+  if model.pipeline is not None and not execution.scan_layers:
+    execution = dataclasses.replace(execution, scan_layers=True)
   if ((held.scan_layers, held.fsdp, held.expert_axes)
       != (execution.scan_layers, execution.fsdp, execution.expert_axes)):
     raise ValueError(f"a view may change sequence_parallel, remat and context_parallel "
@@ -125,4 +167,8 @@ def view(model: Any, execution: Execution) -> Any:
   other = nnx.merge(*nnx.split(model))
   set_sequence_parallel(other, execution.sequence_parallel)
   other.execution = execution
+  plan = execution.stage_plan(model.cfg.num_layers, flax_tp.MeshAxes.of(model.mesh).stage)
+  if plan != model.pipeline:  # which layers a stage holds is the params' layout
+    raise ValueError(f"a view keeps the pipeline's stages: {model.pipeline} -> {plan}")
+  other.pipeline = plan
   return other

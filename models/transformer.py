@@ -516,7 +516,9 @@ class Transformer(nnx.Module):
   def _runs(self):
     """``(module, first layer, layers)`` per run of blocks: all the blocks (an
     ``nnx.List``) unscanned; scanned, each stacked run (``flax_tp.layer_runs``: one,
-    or one per run of dense or MoE blocks)."""
+    or one per run of dense or MoE blocks); pipelined, the one stacked module."""
+    if self.pipeline is not None:
+      return [(self.blocks, 0, self.cfg.num_layers)]
     if not self.execution.scan_layers:
       return [(self.blocks, 0, self.cfg.num_layers)]
     return flax_tp.layer_runs(self.blocks)
@@ -534,8 +536,14 @@ class Transformer(nnx.Module):
         out = block(x, key, layer + first, rows, layout)
         return out if not moe or block.is_moe else (out, None)
 
-      out = run_blocks(blocks, x, call, key, rows, num_layers=count,
-                       scanned=execution.scan_layers, remat=execution.remat, with_aux=moe)
+      if self.pipeline is not None:  # microbatches through the stages (flax_tp.pipeline)
+        out = flax_tp.run_pipeline(
+            blocks, x, lambda block, x, layer, rows: call(block, x, layer, key, rows),
+            (rows,), plan=self.pipeline, microbatches=execution.microbatches,
+            remat=execution.remat, with_aux=moe)
+      else:
+        out = run_blocks(blocks, x, call, key, rows, num_layers=count,
+                         scanned=execution.scan_layers, remat=execution.remat, with_aux=moe)
       if not moe:
         x = out
         continue
@@ -548,6 +556,10 @@ class Transformer(nnx.Module):
 
   def _each_block(self):
     """The blocks one by one (a stacked model's as views of one layer's params)."""
+    if self.pipeline is not None:
+      raise ValueError("a model split into pipeline stages decodes nowhere: load its "
+                       "checkpoint on a mesh without a 'stage' axis to generate (the "
+                       "checkpoint is the unpipelined model's)")
     if not self.execution.scan_layers:
       yield from self.blocks
       return

@@ -1,0 +1,296 @@
+"""Pipeline parallelism over the mesh's ``"stage"`` axis: each stage holds some of the
+stacked layers, and microbatches flow through the stages inside the step's one
+``shard_map``.
+
+Where the layers live (``StagePlan``): a model's ``L`` layers are cut into ``S * R``
+groups of ``G = ceil(L / (S * R))`` consecutive layers (``R``: the repeats, 1 for GPipe);
+group ``g`` sits on stage ``g mod S``, so each stage holds ``R`` non-adjacent groups
+(the circular schedule, MaxText's ``num_pipeline_repeats``; Megatron's interleaved
+virtual stages). Layers past ``L`` that fill the last groups are identity layers: all
+their params zero, their output replaced by their input, never saved. A stacked param
+``[L, ...]`` is stored ``[S * R * G, ...]`` split over ``"stage"`` on its leading axis,
+each stage's groups in repeat order (``ParamInfo.layer_slots`` says which layer each
+slot holds): per-layer names, checkpoints and HF export stay the unpipelined model's.
+
+How a step runs (``run_pipeline``, inside the ``shard_map``): the embedding runs on every
+stage (its params are replicated over ``"stage"``) and the batch is cut into ``M``
+microbatches. At iteration ``t`` stage ``s`` runs its group of repeat ``r`` on
+microbatch ``m``, where ``t - s = r * P + m`` and ``P = max(M, S)`` for the circular
+schedule (``M`` for GPipe); then every stage hands its output to the next with one
+``ppermute`` over ``"stage"`` (the last stage's, under the circular schedule, goes back
+to stage 0, which keeps it until that microbatch's next repeat). After ``(R - 1) * P + M
++ S - 1`` iterations the last stage holds every microbatch's output, which one
+all-reduce over ``"stage"`` gives every stage, so the final norm, the head and the loss
+run as in the unpipelined model. The backward pass is the forward's transpose (the
+``ppermute``s reversed), by ``jax.grad``. A stage idles, computing what is thrown away,
+for ``1 - R * M / iterations`` of the step (the bubble: ``(S - 1) / (R * M + S - 1)``
+when ``M >= S``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from flax_tp.collectives import all_reduce
+from flax_tp.data_parallel import gather_block
+from flax_tp.mesh import STAGE_AXIS
+from flax_tp.param_info import ParamInfo, record
+from flax_tp.remat import remat_policy
+
+SCHEDULES = ("gpipe", "circular")
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+  """Which layers each pipeline stage holds, and in what order it runs them.
+
+  ``layers``: the model's layers ``L``; ``stages``: ``S``; ``repeats``: ``R``, the
+  groups each stage holds (1: GPipe; more: the circular schedule).
+  """
+
+  layers: int
+  stages: int
+  repeats: int = 1
+
+  @classmethod
+  def of(cls, layers: int, stages: int, schedule: str = "gpipe",
+         repeats: int | None = None) -> StagePlan:
+    """The plan of ``schedule`` (``SCHEDULES``): GPipe holds one group of consecutive
+    layers per stage; the circular schedule ``repeats`` groups per stage (default: as
+    many as there are layers per stage, one layer per group, the smallest bubble).
+    ``ValueError`` naming the value for an unknown schedule or a bad repeat count."""
+    if schedule not in SCHEDULES:
+      raise ValueError(f"pipeline_schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule == "gpipe":
+      if repeats not in (None, 1):
+        raise ValueError(f"pipeline_repeats={repeats!r} is for the circular schedule; "
+                         "GPipe holds one group of layers per stage")
+      repeats = 1
+    elif repeats is None:
+      repeats = max(1, math.ceil(layers / stages))
+    return cls(layers, stages, repeats)
+
+  def __post_init__(self):
+    for name in ("layers", "stages", "repeats"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"pipeline {name} must be a positive integer, got {value!r}")
+
+  @property
+  def group(self) -> int:
+    """``G``: the layers of one group (one stage's share of one repeat)."""
+    return math.ceil(self.layers / (self.stages * self.repeats))
+
+  @property
+  def slots(self) -> int:
+    """The stored layers, identity layers included: ``S * R * G``."""
+    return self.stages * self.repeats * self.group
+
+  def layer_at(self, stage: int, repeat: int, j: int) -> int:
+    """The layer number of the ``j``-th layer of ``stage``'s group of ``repeat`` (``>=
+    layers`` for an identity layer)."""
+    return (repeat * self.stages + stage) * self.group + j
+
+  @property
+  def slot_layers(self) -> tuple[int | None, ...]:
+    """The layer each stored slot holds, in stored order (stage by stage, each stage's
+    groups in repeat order); None for an identity layer."""
+    out = []
+    for stage in range(self.stages):
+      for repeat in range(self.repeats):
+        for j in range(self.group):
+          layer = self.layer_at(stage, repeat, j)
+          out.append(layer if layer < self.layers else None)
+    return tuple(out)
+
+  def stage_layers(self, stage: int) -> list[int]:
+    """The model's layers ``stage`` holds, in the order it runs them."""
+    per_stage = self.repeats * self.group
+    return [layer for layer in self.slot_layers[stage * per_stage:(stage + 1) * per_stage]
+            if layer is not None]
+
+  def period(self, microbatches: int) -> int:
+    """``P``: iterations between a microbatch's repeats at one stage (its output must be
+    back at stage 0 first: ``max(M, S)`` with repeats)."""
+    return microbatches if self.repeats == 1 else max(microbatches, self.stages)
+
+  def iterations(self, microbatches: int) -> int:
+    """The pipeline's iterations for ``microbatches`` microbatches."""
+    return (self.repeats - 1) * self.period(microbatches) + microbatches + self.stages - 1
+
+  def bubble(self, microbatches: int) -> float:
+    """The share of the iterations a stage idles: ``1 - R * M / iterations`` (GPipe:
+    ``(S - 1) / (M + S - 1)``)."""
+    return 1.0 - self.repeats * microbatches / self.iterations(microbatches)
+
+  def describe(self, microbatches: int) -> str:
+    """The start-up line: which layers each stage holds and the bubble."""
+    def spans(layers):
+      runs, start = [], None
+      for i, layer in enumerate(layers):
+        if start is None:
+          start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+          runs.append(str(start) if start == layer else f"{start}-{layer}")
+          start = None
+      return ",".join(runs)
+
+    schedule = "gpipe" if self.repeats == 1 else f"circular, {self.repeats} groups per stage"
+    per_stage = self.repeats * self.group
+
+    def held(stage):
+      identity = self.slot_layers[stage * per_stage:(stage + 1) * per_stage].count(None)
+      layers = self.stage_layers(stage)
+      return (f"stage {stage}: " + (f"layers {spans(layers)}" if layers else "no layer")
+              + (f" + {identity} identity" if identity else ""))
+
+    return (f"pipeline of {self.stages} stages ({schedule}), {microbatches} microbatches, "
+            f"bubble {self.bubble(microbatches):.0%}; "
+            + "; ".join(held(s) for s in range(self.stages)))
+
+
+@functools.cache
+def _slotter(rows: tuple[int, ...], real: tuple[bool, ...], sharding: NamedSharding):
+  def place(value):
+    taken = value[np.array(rows)]
+    keep = np.array(real).reshape((-1,) + (1,) * (value.ndim - 1))
+    return jnp.where(keep, taken, jnp.zeros((), value.dtype))
+  return jax.jit(place, out_shardings=sharding)
+
+
+def split_into_stages(stacked: nnx.Module, plan: StagePlan) -> None:
+  """Splits the params of ``stacked`` (a ``flax_tp.stack_layers`` module of
+  ``plan.layers`` layers) over ``"stage"`` as ``plan`` says, in place: each becomes
+  ``[plan.slots, ...]`` in stored order, identity layers zero, its leading axis named
+  ``"stage"``."""
+  slots = plan.slot_layers
+  rows = tuple(0 if layer is None else layer for layer in slots)
+  real = tuple(layer is not None for layer in slots)
+  for path, var in nnx.to_flat_state(nnx.state(stacked, nnx.Param)):
+    info = ParamInfo.of(var)
+    if info.layers != plan.layers or info.first_layer is not None:
+      raise ValueError(f"param {'.'.join(map(str, path))} is not a stack of the model's "
+                       f"{plan.layers} layers (stacked: {info.layers})")
+    names = (STAGE_AXIS,) + tuple(info.names[1:])
+    var.set_value(_slotter(rows, real, NamedSharding(info.mesh, P(*names)))(var[...]))
+    record(var, names=names, layer_slots=slots)
+
+
+def _split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
+  return x.reshape((microbatches, x.shape[0] // microbatches) + x.shape[1:])
+
+
+def run_pipeline(blocks: nnx.Module, x: jax.Array, call: Callable, batched: tuple = (), *,
+                 plan: StagePlan, microbatches: int, remat: str = "none",
+                 with_aux: bool = False) -> Any:
+  """Inside a ``shard_map`` over a mesh with ``"stage"``: ``x [b, ...]`` (the same on
+  every stage) through the layers of ``blocks`` (stacked and split by
+  ``split_into_stages``: this stage's slots ``[R * G, ...]``) in layer order, as the
+  module docstring says.
+
+  ``call(block, x, layer, *batched_rows)`` runs one layer (``layer`` a traced int) on one
+  microbatch ``[b / M, ...]``; ``batched``: arrays ``[b, ...]`` cut into microbatches
+  with ``x`` (row ids). ``with_aux``: ``call`` returns ``(x, aux)``; the result is then
+  ``(x, aux summed over microbatches and stacked per layer [L, ...], on every stage)``.
+  ``remat``: each layer recomputed in backward (``flax_tp.remat.REMAT_CHOICES``).
+  Returns ``x [b, ...]``, the same on every stage.
+  """
+  M, S, R, G = microbatches, plan.stages, plan.repeats, plan.group
+  if jax.lax.axis_size(STAGE_AXIS) != S:
+    raise ValueError(f"the plan has {S} stages, the mesh's {STAGE_AXIS!r} axis "
+                     f"{jax.lax.axis_size(STAGE_AXIS)}")
+  if x.shape[0] % M:
+    raise ValueError(f"a batch of {x.shape[0]} rows (per data shard) does not split into "
+                     f"{M} microbatches: microbatches must divide it")
+  period, iterations = plan.period(M), plan.iterations(M)
+  stage = jax.lax.axis_index(STAGE_AXIS)
+  graphdef, stacked = nnx.split(blocks)
+  xs = _split_microbatches(x, M)
+  batched = tuple(_split_microbatches(b, M) for b in batched)
+  policy = remat_policy(remat)
+
+  def layer_step(params, x, layer, rows):  # FSDP: this layer's params gathered here
+    out = call(nnx.merge(graphdef, gather_block(params)), x, layer, *rows)
+    y, aux = out if with_aux else (out, None)
+    real = layer < plan.layers  # an identity layer passes its input on
+    y = jnp.where(real, y, x)
+    aux = jax.tree.map(lambda a: jnp.where(real, a, jnp.zeros((), a.dtype)), aux)
+    return y, aux
+
+  if policy is not None:
+    layer_step = jax.checkpoint(layer_step, policy=policy)
+
+  def run_group(x, repeat, rows):
+    """This stage's group of ``repeat`` on one microbatch: ``(x, aux [G, ...])``."""
+    params = jax.tree.map(lambda p: jax.lax.dynamic_slice_in_dim(p, repeat * G, G), stacked)
+    first = (repeat * S + stage) * G
+    return jax.lax.scan(lambda x, pj: layer_step(pj[0], x, first + pj[1], rows),
+                        x, (params, jnp.arange(G)))
+
+  def position(t):
+    """(repeat, microbatch, whether real) of what this stage runs at iteration ``t``."""
+    local = t - stage
+    repeat, m = local // period, local % period
+    real = (local >= 0) & (repeat < R) & (m < M)
+    return jnp.clip(repeat, 0, R - 1), jnp.clip(m, 0, M - 1), real
+
+  # Each stage's output goes to the next; the last's back to stage 0 only when it has a
+  # next repeat to run.
+  perm = [(s, s + 1) for s in range(S - 1)] + ([(S - 1, 0)] if R > 1 else [])
+  varying = lambda a: jax.lax.pcast(a, STAGE_AXIS, to="varying")
+  zeros = varying(jnp.zeros_like(xs[0]))
+
+  def iteration(carry, t):
+    received, waiting, outputs = carry
+    repeat, m, real = position(t)
+    if R > 1:  # stage 0 keeps what the last stage sent until its next repeat
+      back = t - S
+      back_repeat, back_m = back // period, back % period
+      keep = (stage == 0) & (back >= 0) & (back_m < M) & (back_repeat < R - 1)
+      slot = jnp.clip(back_m, 0, M - 1)
+      waiting = jax.lax.dynamic_update_index_in_dim(
+          waiting, jnp.where(keep, received, waiting[slot]), slot, 0)
+      first_input = jnp.where(repeat == 0, xs[m], waiting[m])
+    else:
+      first_input = xs[m]
+    x = jnp.where(stage == 0, first_input, received)
+    y, aux = run_group(x, repeat, tuple(b[m] for b in batched))
+    done = (stage == S - 1) & real & (repeat == R - 1)
+    outputs = jax.lax.dynamic_update_index_in_dim(
+        outputs, jnp.where(done, y, outputs[m]), m, 0)
+    if aux is not None:  # [G, ...], each this stage's layer's, kept for real runs only
+      aux = jax.tree.map(lambda a: jnp.where(real, a, jnp.zeros((), a.dtype)), aux)
+      aux = (aux, (repeat * S + stage) * G + jnp.arange(G))
+    received = jax.lax.ppermute(y, STAGE_AXIS, perm)
+    return (received, waiting, outputs), aux
+
+  waiting = varying(jnp.zeros_like(xs)) if R > 1 else None
+  outputs = varying(jnp.zeros_like(xs))
+  (_, _, outputs), aux = jax.lax.scan(iteration, (zeros, waiting, outputs),
+                                      jnp.arange(iterations))
+  # The last stage's outputs, on every stage (adding zeros elsewhere: exact).
+  x = outputs.reshape(x.shape)
+  x = all_reduce(jnp.where(stage == S - 1, x, jnp.zeros((), x.dtype)), "sum", STAGE_AXIS)
+  if not with_aux:
+    return x
+  if aux is None:
+    return x, None
+  aux, layers = aux  # [iterations, G, ...], [iterations, G]
+  layers = layers.reshape(-1)
+
+  def per_layer(a):
+    by_layer = jnp.zeros((plan.layers,) + a.shape[2:], a.dtype).at[layers].add(
+        a.reshape((-1,) + a.shape[2:]), mode="drop")  # (identity layers' rows dropped)
+    return all_reduce(by_layer, "sum", STAGE_AXIS)
+
+  return x, jax.tree.map(per_layer, aux)
