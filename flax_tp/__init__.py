@@ -41,7 +41,7 @@ from flax_tp.partition import (
     ShardLayout,
     split_tensor_for_parallelism,
 )
-from flax_tp.pipeline import StagePlan, run_pipeline, split_into_stages
+from flax_tp.pipeline import StagePlan, merge_stages, run_pipeline, split_into_stages
 from flax_tp.plan import explain_plan, parallelize
 from flax_tp.sampling import vocab_parallel_sample
 from flax_tp.split_norm import SplitRMSNorm
@@ -93,6 +93,7 @@ __all__ = [
     "stack_layer_runs",
     "layer_runs",
     "StagePlan",
+    "merge_stages",
     "run_pipeline",
     "split_into_stages",
     "unshard",

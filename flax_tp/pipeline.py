@@ -55,12 +55,14 @@ class StagePlan:
   """Which layers each pipeline stage holds, and in what order it runs them.
 
   ``layers``: the model's layers ``L``; ``stages``: ``S``; ``repeats``: ``R``, the
-  groups each stage holds (1: GPipe; more: the circular schedule).
+  groups each stage holds (1: GPipe; more: the circular schedule); ``schedule``: the
+  schedule asked for (a circular plan of one repeat runs as GPipe does).
   """
 
   layers: int
   stages: int
   repeats: int = 1
+  schedule: str = "gpipe"
 
   @classmethod
   def of(cls, layers: int, stages: int, schedule: str = "gpipe",
@@ -78,9 +80,13 @@ class StagePlan:
       repeats = 1
     elif repeats is None:
       repeats = max(1, math.ceil(layers / stages))
-    return cls(layers, stages, repeats)
+    return cls(layers, stages, repeats, schedule)
 
   def __post_init__(self):
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"pipeline_schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+    if self.schedule == "gpipe" and self.repeats != 1:
+      raise ValueError(f"GPipe holds one group of layers per stage, got repeats={self.repeats}")
     for name in ("layers", "stages", "repeats"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -145,7 +151,9 @@ class StagePlan:
           start = None
       return ",".join(runs)
 
-    schedule = "gpipe" if self.repeats == 1 else f"circular, {self.repeats} groups per stage"
+    schedule = "gpipe" if self.schedule == "gpipe" else (
+        f"circular, {self.repeats} group{'s' if self.repeats > 1 else ''} per stage"
+        + (": the same as gpipe" if self.repeats == 1 else ""))
     per_stage = self.repeats * self.group
 
     def held(stage):
@@ -184,6 +192,21 @@ def split_into_stages(stacked: nnx.Module, plan: StagePlan) -> None:
     names = (STAGE_AXIS,) + tuple(info.names[1:])
     var.set_value(_slotter(rows, real, NamedSharding(info.mesh, P(*names)))(var[...]))
     record(var, names=names, layer_slots=slots)
+
+
+def merge_stages(stacked: nnx.Module) -> None:
+  """Undoes ``split_into_stages`` in place: each param of ``stacked`` back to ``[layers,
+  ...]`` in layer order, identity layers dropped, replicated over ``"stage"`` (the
+  unpipelined model's layout, e.g. to decode with a KV cache on the same mesh)."""
+  for _, var in nnx.to_flat_state(nnx.state(stacked, nnx.Param)):
+    info = ParamInfo.of(var)
+    if info.layer_slots is None:
+      continue
+    rows = tuple(info.slot_of(layer) for layer in range(info.layers))
+    names = (None,) + tuple(info.names[1:])
+    real = (True,) * len(rows)
+    var.set_value(_slotter(rows, real, NamedSharding(info.mesh, P(*names)))(var[...]))
+    record(var, names=names, layer_slots=None)
 
 
 def _split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:

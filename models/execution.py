@@ -167,8 +167,21 @@ def view(model: Any, execution: Execution) -> Any:
   other = nnx.merge(*nnx.split(model))
   set_sequence_parallel(other, execution.sequence_parallel)
   other.execution = execution
-  plan = execution.stage_plan(model.cfg.num_layers, flax_tp.MeshAxes.of(model.mesh).stage)
-  if plan != model.pipeline:  # which layers a stage holds is the params' layout
-    raise ValueError(f"a view keeps the pipeline's stages: {model.pipeline} -> {plan}")
-  other.pipeline = plan
+  if model.pipeline is not None:  # which layers a stage holds is the params' layout
+    plan = execution.stage_plan(model.cfg.num_layers, model.pipeline.stages)
+    if plan != model.pipeline:
+      raise ValueError(f"a view keeps the pipeline's stages: {model.pipeline} -> {plan}")
+  other.pipeline = model.pipeline
   return other
+
+
+def unpipeline(model: Any) -> Any:
+  """``model``'s stacked blocks back to the unpipelined layout on the same mesh
+  (``flax_tp.pipeline.merge_stages``: in layer order, replicated over ``"stage"``), in
+  place; returns ``model``. The KV-cached decoder runs a model's layers one by one, so
+  it decodes a pipelined model this way (a training run's sample, ``train/generate.py``
+  on a mesh with a stage axis)."""
+  if model.pipeline is not None:
+    flax_tp.merge_stages(model.blocks)
+    model.pipeline = None
+  return model

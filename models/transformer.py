@@ -557,9 +557,9 @@ class Transformer(nnx.Module):
   def _each_block(self):
     """The blocks one by one (a stacked model's as views of one layer's params)."""
     if self.pipeline is not None:
-      raise ValueError("a model split into pipeline stages decodes nowhere: load its "
-                       "checkpoint on a mesh without a 'stage' axis to generate (the "
-                       "checkpoint is the unpipelined model's)")
+      raise ValueError("the KV-cached decoder runs layers one by one, and this model's "
+                       "are split into pipeline stages: decode models.execution."
+                       "unpipeline(model) (the same params, replicated over 'stage')")
     if not self.execution.scan_layers:
       yield from self.blocks
       return

@@ -80,6 +80,12 @@ def test_mesh_too_large_exits_2_with_one_line():
     (["--data", "/no/such/file"], "does not exist"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--mesh", "2x4", "--batch-size", "3"], "--batch-size 3 is not divisible by the 2-way"),
+    (["--mesh", "stage=2,data=2,model=2", "--batch-size", "8", "--microbatches", "3"],
+     "--microbatches 3 does not divide the 4 sequences each data shard runs (--batch-size 8 "
+     "over the 2-way data axis of --mesh stage=2,data=2,model=2)"),
+    (["--microbatches", "0"], "--microbatches must be an integer in [1, 2147483647], got 0"),
+    (["--pipeline-repeats", "2"], "--pipeline-repeats 2 is for --pipeline-schedule circular"),
+    (["--pipeline-schedule", "1f1b"], "invalid choice: '1f1b'"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, argv, message):
   assert main(argv) == 2
@@ -336,6 +342,44 @@ def test_a_context_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
   _, from_plain = run("1x8", "from_plain", 6, *ckpt("plain"), "--resume")
   assert len(from_context) == len(from_plain) == 2  # steps 5 and 6
   assert from_context == pytest.approx(from_plain, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_pipelined_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
+  """--mesh stage=2,data=2,model=2 --microbatches 4 logs the losses --mesh 2x4 does (the
+  same global batch), says which layers each stage holds and the bubble, and its
+  checkpoint (the unpipelined model's) resumes on 1x8 as 2x4's does; the circular
+  schedule logs the same losses."""
+  from helpers import logged_losses
+
+  def run(mesh, name, steps, *extra):
+    metrics = tmp_path / f"{name}.jsonl"
+    out = subprocess.run([*RUN, *TINY_RUN_FLAGS, "--mesh", mesh, "--steps", str(steps),
+                          "--metrics-file", str(metrics), *extra],
+                         capture_output=True, text=True, env=env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout, logged_losses(metrics)
+
+  def ckpt(name):
+    return ["--checkpoint-dir", str(tmp_path / name), "--checkpoint-every", "2"]
+
+  stdout, piped = run("stage=2,data=2,model=2", "piped", 4, "--microbatches", "4",
+                      *ckpt("piped"))
+  assert "mesh stage=2,data=2,model=2 (stage=2, data=2, model=2)" in stdout
+  assert ("pipeline of 2 stages (gpipe), 4 microbatches, bubble 20%; stage 0: layers 0; "
+          "stage 1: layers 1") in stdout
+  _, plain = run("2x4", "plain", 4, *ckpt("plain"))
+  assert len(piped) == len(plain) >= 4
+  assert piped == pytest.approx(plain, rel=1e-5)
+  stdout, circular = run("model=2,stage=2,data=2", "circular", 2, "--microbatches", "2",
+                         "--pipeline-schedule", "circular")
+  assert "(circular, 1 group per stage: the same as gpipe), 2 microbatches" in stdout
+  assert circular == pytest.approx(plain[:len(circular)], rel=1e-5)
+  stdout, from_piped = run("1x8", "from_piped", 6, *ckpt("piped"), "--resume")
+  assert "resumed from step 4" in stdout
+  _, from_plain = run("1x8", "from_plain", 6, *ckpt("plain"), "--resume")
+  assert len(from_piped) == len(from_plain) == 2  # steps 5 and 6
+  assert from_piped == pytest.approx(from_plain, rel=1e-5)
 
 
 @pytest.mark.slow

@@ -231,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
   import numpy as np
 
   import flax_tp
+  from models.execution import unpipeline
   from models.generate import stream
   try:
     mesh = flax_tp.make_mesh(args.mesh)
@@ -238,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
     raise UsageError(str(err)) from None
   started = time.perf_counter()
   model, tokenizer, eos = (load_from_hf if args.hf else load_from_checkpoint)(args, mesh)
+  model = unpipeline(model)  # a mesh with a stage axis: the decoder runs layer by layer
   prompt = tokenizer.encode(args.prompt.encode(), special_tokens=True)
   prompt = np.asarray(prompt, np.int32)[None]
   longest = prompt.shape[1] + args.max_new_tokens

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from flax_tp.checkpoint import CheckpointSaveError
 from flax_tp.data_parallel import unshard_over_data
+from models.execution import unpipeline
 from train.data import TokenCorpus
 from train.errors import RunError
 from train.job import Job
@@ -209,7 +210,8 @@ class _Run(SetUp):
     if job.sample.length:
       tokenizer = corpus.tokenizer
       prompt = [int(t) for t in tokenizer.encode(job.sample.prompt.encode())]
-      model = unshard_over_data(nnx.merge(self.trainer.graphdef, self.params))  # standalone
+      # Standalone, and layer by layer for the KV-cached decoder.
+      model = unpipeline(unshard_over_data(nnx.merge(self.trainer.graphdef, self.params)))
       sample = sample_tokens(model, prompt, length=job.sample.length,
                              window=min(job.model.seq_len, self.cfg.max_seq_len),
                              seed=job.schedule.seed)

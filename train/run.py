@@ -34,6 +34,7 @@ if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there i
 
 from flax_tp.context import STRATEGIES as CONTEXT_STRATEGIES
 from flax_tp.mesh import MeshAxes
+from flax_tp.pipeline import SCHEDULES
 from flax_tp.remat import REMAT_CHOICES
 from models.config import ABSTRACT_ONLY, TransformerConfig
 from models.execution import Execution
@@ -50,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--mesh", default=d["mesh"],
                  help="DxM: D-way data parallel by M-way tensor (model) parallel; DxCxM "
                       "adds C-way context parallelism (the sequence split over C devices); "
-                      "or named sizes in any order, e.g. data=2,context=2,model=2")
+                      "or named sizes in any order, e.g. data=2,context=2,model=2, and "
+                      "stage=S for S pipeline stages")
   p.add_argument("--preset", default=None, choices=TransformerConfig.preset_names(),
                  help="model: 'tiny' for tests, 'small' trains usefully on a CPU; 'llama-tiny' "
                       "(grouped-query attention, RMSNorm, SwiGLU) for tests, 'llama-125m' and "
@@ -129,6 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
                       "mesh), or each routed choice only to its expert's shard and back "
                       "(needs --expert-capacity-factor, taken per source shard: drops depend "
                       "on the data axis)")
+  p.add_argument("--microbatches", type=int, default=Execution.microbatches,
+                 help="on a mesh with a stage axis (e.g. stage=2,data=2,model=2): the "
+                      "microbatches each data shard's batch is cut into, which flow through "
+                      "the pipeline's stages (more: a smaller bubble); same results")
+  p.add_argument("--pipeline-schedule", default=Execution.pipeline_schedule,
+                 choices=SCHEDULES,
+                 help="on a mesh with a stage axis: 'gpipe' (each stage one group of "
+                      "consecutive layers) or 'circular' (each stage several groups of "
+                      "non-adjacent layers, the bubble divided by their number)")
+  p.add_argument("--pipeline-repeats", type=int, default=None,
+                 help="the circular schedule's groups per stage (default: as many as the "
+                      "layers a stage holds)")
   p.add_argument("--fsdp", action="store_true",
                  help="also split params, gradients and optimizer state over the data axis "
                       "(ZeRO-3/FSDP): per-device memory / D; same results")
@@ -220,6 +234,16 @@ def check_args(args: argparse.Namespace) -> None:
   if args.lora_rank and not target_globs(args.lora_targets):
     raise UsageError(f"--lora-targets {args.lora_targets!r} names no layer: give comma-"
                      "separated globs over module paths, e.g. 'blocks.*.attn.[qv]'")
+  if not 1 <= args.microbatches <= INT_MAX:
+    raise UsageError(f"--microbatches must be an integer in [1, {INT_MAX}], got "
+                     f"{args.microbatches}")
+  if args.pipeline_repeats is not None:
+    if args.pipeline_schedule != "circular":
+      raise UsageError(f"--pipeline-repeats {args.pipeline_repeats} is for "
+                       "--pipeline-schedule circular (GPipe holds one group of layers per stage)")
+    if not 1 <= args.pipeline_repeats <= INT_MAX:
+      raise UsageError(f"--pipeline-repeats must be an integer in [1, {INT_MAX}], got "
+                       f"{args.pipeline_repeats}")
   try:
     MeshAxes.expert_roles(args.expert_axes)
   except ValueError as err:

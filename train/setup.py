@@ -69,6 +69,13 @@ class SetUp:
     if job.schedule.batch_size % data_size:
       raise UsageError(f"--batch-size {job.schedule.batch_size} is not divisible by the "
                        f"{data_size}-way data axis of --mesh {job.mesh}")
+    axes = flax_tp.MeshAxes.of(mesh)
+    per_shard = job.schedule.batch_size // data_size
+    if axes.stage > 1 and per_shard % job.execution.microbatches:
+      raise UsageError(f"--microbatches {job.execution.microbatches} does not divide the "
+                       f"{per_shard} sequences each data shard runs (--batch-size "
+                       f"{job.schedule.batch_size} over the {data_size}-way data axis of "
+                       f"--mesh {job.mesh})")
     overrides = job.model.overrides()
     self.execution = job.execution
     self.lora = job.lora.config(job.schedule.seed)
@@ -94,6 +101,11 @@ class SetUp:
       raise UsageError(f"--expert-dispatcher all-to-all without --expert-capacity-factor "
                        f"(dropless) needs jax.lax.ragged_all_to_all, which XLA on {platform!r} "
                        f"does not implement: give a capacity factor, or use all-gather")
+    kinds = {self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers)}
+    if axes.stage > 1 and len(kinds) > 1:
+      raise UsageError(f"--mesh {job.mesh}: pipeline stages hold layers of one kind and this "
+                       "model mixes dense and mixture-of-experts layers (first_k_dense_replace "
+                       "or a layer step); use a mesh without a stage axis")
     if job.loss.router_z_loss and not self.cfg.has_experts:  # never a weight that does nothing
       raise UsageError(f"--router-z-loss {job.loss.router_z_loss} is for a model with experts "
                        "(it weighs their router's z-loss); this one has none")
@@ -194,6 +206,10 @@ class SetUp:
                                  self.execution.expert_axes,
                                  tokens=job.schedule.batch_size * (job.model.seq_len + 1),
                                  dispatcher=self.execution.expert_dispatcher))
+    if self.trainer.model(self.params).pipeline is not None:
+      console.print(pipeline_line(self.trainer.model(self.params), self.execution,
+                                  batch=job.schedule.batch_size // data_size,
+                                  seq_len=job.model.seq_len), markup=False)
     if self.lora is not None:
       console.print(lora_line(self.lora, self.trainer, self.params), markup=False)
     console.print(f"data: {self.corpus.describe()} | unigram entropy "
@@ -221,6 +237,13 @@ class SetUp:
       notes.append(f"note: --expert-axes names {' and '.join(idle)}, which mesh {job.mesh} "
                    f"gives one device: the experts split over "
                    f"{' x '.join(axes.expert_axes(self.execution.expert_axes)) or 'nothing'}")
+    pipeline_flags = [flag for flag, given in (
+        (f"--microbatches {self.execution.microbatches}", self.execution.microbatches != 1),
+        (f"--pipeline-schedule {self.execution.pipeline_schedule}",
+         self.execution.pipeline_schedule != Execution.pipeline_schedule)) if given]
+    if pipeline_flags and axes.stage == 1:
+      notes.append(f"note: {' and '.join(pipeline_flags)} have nothing to do on mesh "
+                   f"{job.mesh}, which has no stage axis (e.g. stage=2,data=2,model=2 names one)")
     for note in notes:
       console.print(note, markup=False)
     if self.start:
@@ -305,3 +328,11 @@ def experts_line(cfg, axes: flax_tp.MeshAxes, expert_roles: tuple[str, ...],
   return (f"experts: {cfg.num_experts} in each of {layers} MoE layer(s), top-"
           f"{cfg.experts_per_token}{router}, {capacity} | over {' x '.join(over or ('data',))}: "
           f"{per_shard} per shard{padded} | {ffn_words}{shared} | {dispatch}")
+
+
+def pipeline_line(model, execution: Execution, *, batch: int, seq_len: int) -> str:
+  """The start-up line of a pipelined run: which layers each stage holds, the bubble,
+  and what a stage holds and sends per step."""
+  plan, microbatches = model.pipeline, execution.microbatches
+  return (f"{plan.describe(microbatches)} | per microbatch {batch // microbatches} x "
+          f"{seq_len} tokens per data shard")
