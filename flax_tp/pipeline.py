@@ -162,7 +162,8 @@ class StagePlan:
       return (f"stage {stage}: " + (f"layers {spans(layers)}" if layers else "no layer")
               + (f" + {identity} identity" if identity else ""))
 
-    return (f"pipeline of {self.stages} stages ({schedule}), {microbatches} microbatches, "
+    return (f"pipeline of {self.stages} stages ({schedule}), {microbatches} microbatch"
+            f"{'es' if microbatches > 1 else ''}, "
             f"bubble {self.bubble(microbatches):.0%}; "
             + "; ".join(held(s) for s in range(self.stages)))
 
