@@ -28,7 +28,7 @@ def test_make_mesh_explicit_devices():
 
 
 @pytest.mark.parametrize("spec", ["2x", "0x4", "abc", "2x4x1x1", (2,), (2, 0), "-1x2", "2x0x4",
-                                  (True, 8), "data=2,data=4", "stage=2,model=4",
+                                  (True, 8), "data=2,data=4", "pipe=2,model=4",
                                   "data=0,model=8", "data=-2", "data:2", "data=2,,model=4"])
 def test_bad_spec(spec):
   with pytest.raises(ValueError, match="bad mesh spec") as err:

@@ -31,6 +31,6 @@ def test_record_writes_and_removes_fields_under_the_same_keys():
   assert "fsdp_dim" not in var.get_metadata() and "fsdp_per_block" not in var.get_metadata()
   assert set(FLAX_TP_KEYS) == {"tp_layout", "tp_dim", "tp_layers", "tp_layer_at",
                                "tp_first_layer", "fsdp_dim", "fsdp_per_block", "ep_layout",
-                               "ep_dim"}
+                               "ep_dim", "tp_layer_slots"}
   with pytest.raises(KeyError):
     record(var, no_such_field=1)
