@@ -125,7 +125,7 @@ def main(argv=None) -> int:
 
   meshes_or_exit([BASELINE] + sorted({_spec(s) for s, _, _ in args.layouts}), "bench.pipeline")
   out_path_or_exit(args.out, "bench.pipeline")
-  for stages, microbatches, _ in args.layouts:
+  for _, microbatches, _ in args.layouts:
     if args.batch % microbatches:
       print(f"bench.pipeline: error: --batch {args.batch} does not split into {microbatches} "
             "microbatches", file=sys.stderr)
