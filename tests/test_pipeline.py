@@ -154,7 +154,7 @@ def _microbatches(mesh_spec):
   return 4 // flax_tp.MeshAxes.parse(mesh_spec).data
 
 
-FAST = [("stage=2,data=2,model=2", 5, CIRCULAR), ("stage=4,model=2", 6, GPIPE)]
+FAST = [("stage=2,data=2,model=2", 5, CIRCULAR)]  # the other schedule: the FSDP case below
 
 
 @pytest.mark.parametrize("mesh_spec,layers,schedule", FAST + [
@@ -325,7 +325,7 @@ def test_a_pipelined_model_decodes_unpipelined_and_refuses_a_mixed_model():
 # -- what crosses the stage axis --------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", [GPIPE, CIRCULAR])
+@pytest.mark.parametrize("schedule", [GPIPE, pytest.param(CIRCULAR, marks=pytest.mark.slow)])
 def test_over_stage_a_step_sends_activations_and_their_cotangents_only(schedule):
   """On stage=2,data=2,model=2 the compiled step's collectives over "stage" are one
   collective-permute of a microbatch's activation [b/M, s, d] forward and one of its
