@@ -154,7 +154,7 @@ def _microbatches(mesh_spec):
   return 4 // flax_tp.MeshAxes.parse(mesh_spec).data
 
 
-FAST = [("stage=2,data=2,model=2", 5, CIRCULAR)]  # the other schedule: the FSDP case below
+FAST = [("stage=2,data=2,model=2", 5, CIRCULAR)]
 
 
 @pytest.mark.parametrize("mesh_spec,layers,schedule", FAST + [
@@ -169,8 +169,10 @@ def test_a_pipelined_model_is_exact_at_any_layer_count(mesh_spec, layers, schedu
 @pytest.mark.parametrize("mesh_spec,layers,options,execution", [
     # FSDP over data per stage, each block recomputed in backward, Megatron's sequence
     # parallelism, grouped-query attention
-    ("stage=2,data=2,model=2", 6, dict(num_kv_heads=2, mlp="swiglu", norm="rmsnorm"),
-     Execution(microbatches=2, fsdp=True, remat="block", sequence_parallel=True)),
+    pytest.param("stage=2,data=2,model=2", 6,
+                 dict(num_kv_heads=2, mlp="swiglu", norm="rmsnorm"),
+                 Execution(microbatches=2, fsdp=True, remat="block", sequence_parallel=True),
+                 marks=pytest.mark.slow),
     pytest.param("stage=2,data=2,model=2", 5, (), Execution(
         microbatches=2, pipeline_schedule=CIRCULAR, fsdp=True, remat="block"),
         marks=pytest.mark.slow),
