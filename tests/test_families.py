@@ -669,8 +669,11 @@ def test_an_mxfp4_checkpoint_is_dequantized_exactly(tmp_path, meshes, mesh_spec)
     assert np.abs(expected[key]).max() > 0
     np.testing.assert_array_equal(ours[key[len("dequantized:"):]], expected[key], err_msg=key)
   ids = jnp.asarray(expected["ids"], jnp.int32)
+  # The MXFP4 experts' weights reach 6 * 2**k, so their outputs are larger than the float
+  # fixture's and float32 rounding shows more: one device (1x1) is itself 2e-5 from
+  # transformers on one token (the meshes agree with 1x1 within 1e-5), hence atol 4e-5.
   np.testing.assert_allclose(jax.jit(lambda t: model(t))(ids), expected["logits"], rtol=1e-5,
-                             atol=1e-5)
+                             atol=4e-5)
   trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
   loss, _ = jax.jit(trainer.loss_and_grads)(trainer.params,
                                             jax.device_put(ids, trainer.batch_sharding))
