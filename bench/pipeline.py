@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 MODEL = 2  # the tensor-parallel degree of every layout
 BASELINE = "1x2"  # one stage's devices
 DEFAULT_LAYOUTS = ("2:1:gpipe,2:2:gpipe,2:4:gpipe,2:8:gpipe,2:2:circular,2:4:circular,"
-                   "4:4:gpipe,4:8:gpipe,4:4:circular")
+                   "2:2:1f1b,2:4:1f1b,2:8:1f1b,4:4:gpipe,4:8:gpipe,4:4:circular,4:8:1f1b")
 
 
 def layouts(text: str) -> list[tuple[int, int, str]]:
@@ -115,6 +115,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   import jax
   import numpy as np
+  from flax import nnx
 
   import flax_tp
   from bench import meshes_or_exit, out_path_or_exit
@@ -160,7 +161,10 @@ def main(argv=None) -> int:
     execution = Execution(microbatches=microbatches, pipeline_schedule=schedule)
     trainer, contenders[label], seconds = flax_tp_contender(cfg, mesh, tokens, tx, execution)
     plan = trainer.model(trainer.params).pipeline
-    iterations = plan.iterations(microbatches)
+    one_f_one_b = schedule == "1f1b"
+    # 1F1B's iterations each send an activation forward and a cotangent back.
+    iterations = microbatches + 2 * (stages - 1) if one_f_one_b else plan.iterations(
+        microbatches)
     sent = over_stage(contenders[label].compiled, mesh, iterations,
                       senders=stages - 1 if plan.repeats == 1 else stages)
     activation = (b // microbatches) * s * d * 4  # a microbatch's [b/M, s, d], float32
@@ -169,11 +173,23 @@ def main(argv=None) -> int:
     # The work of a step, per token: unpipelined, every layer and one head; pipelined,
     # every stored slot (identity layers too) at each of the iterations a stage runs its
     # R groups, and the head on each of the S stages.
+    # 1F1B computes only what is real (a stage with nothing to run skips it) but each
+    # block's forward twice (recomputed in its backward: 4 forwards' work, not 3), and
+    # the head on the last stage only.
     unpipelined = plan.layers * block_flops + head_flops
-    pipelined = (plan.slots * block_flops * iterations / (plan.repeats * microbatches)
-                 + stages * head_flops)
+    if one_f_one_b:
+      pipelined = plan.slots * block_flops * 4 / 3 + head_flops
+    else:
+      pipelined = (plan.slots * block_flops * iterations / (plan.repeats * microbatches)
+                   + stages * head_flops)
+    # 1F1B's one all-reduce over "stage" of an array: stage 0's input cotangents and
+    # the last stage's gradients of what follows the blocks (final norm, head).
+    state = trainer.model(trainer.params)
+    tail = [state.ln_f, state.embed if cfg.tie_embeddings else state.head]
+    tail_bytes = sum(x.addressable_shards[0].data.nbytes
+                     for x in jax.tree.leaves(nnx.state(tail, nnx.Param)))
     rows.append(dict(
-        label=label, stages=stages, microbatches=microbatches, schedule=schedule,
+        label=label, tail_bytes=tail_bytes if one_f_one_b else 0, stages=stages, microbatches=microbatches, schedule=schedule,
         repeats=plan.repeats, identity_layers=plan.slots - plan.layers, iterations=iterations,
         bubble_analytic=plan.bubble(microbatches),
         bubble_expected_here=1 - unpipelined / pipelined,

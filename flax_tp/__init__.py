@@ -41,7 +41,13 @@ from flax_tp.partition import (
     ShardLayout,
     split_tensor_for_parallelism,
 )
-from flax_tp.pipeline import StagePlan, merge_stages, run_pipeline, split_into_stages
+from flax_tp.pipeline import (
+  StagePlan,
+  merge_stages,
+  pipeline_1f1b_loss,
+  run_pipeline,
+  split_into_stages,
+)
 from flax_tp.plan import explain_plan, parallelize
 from flax_tp.sampling import vocab_parallel_sample
 from flax_tp.split_norm import SplitRMSNorm
@@ -94,6 +100,7 @@ __all__ = [
     "layer_runs",
     "StagePlan",
     "merge_stages",
+    "pipeline_1f1b_loss",
     "run_pipeline",
     "split_into_stages",
     "unshard",

@@ -60,9 +60,11 @@ class Execution:
   expert_dispatcher: str = "all_gather"
   # Pipeline parallelism (a mesh with a "stage" axis; without one, nothing changes): the
   # batch each data shard runs is cut into this many microbatches, which flow through
-  # the stages; "gpipe" (each stage one group of consecutive layers) or "circular"
+  # the stages; "gpipe" (each stage one group of consecutive layers), "circular"
   # (each stage pipeline_repeats groups of non-adjacent layers: a smaller bubble; by
-  # default as many groups as it holds layers).
+  # default as many groups as it holds layers) or "1f1b" (GPipe's layers, each stage
+  # alternating one microbatch's forward and another's backward: activation memory
+  # that does not grow with microbatches, for one more forward; flax_tp.pipeline).
   microbatches: int = 1
   pipeline_schedule: str = "gpipe"
   pipeline_repeats: int | None = None
@@ -147,6 +149,10 @@ def apply(model: Any, execution: Execution) -> None:
       raise ValueError(f"pipeline stages hold layers of one kind; this model mixes "
                        f"{' and '.join(kinds)} layers (e.g. first_k_dense_replace): run it "
                        "on a mesh without a 'stage' axis")
+    if model.pipeline.schedule == "1f1b" and model.cfg.has_experts:
+      raise ValueError("pipeline_schedule='1f1b' takes each microbatch's loss as it leaves "
+                       "the last stage, and a mixture of experts' load-balancing loss needs "
+                       "every microbatch's routing first: use 'gpipe' or 'circular'")
     flax_tp.split_into_stages(model.blocks, model.pipeline)
   if execution.fsdp:  # params (and so the optimizer state) split over "data" too
     shard_over_data(model, per_block=(model.blocks,))

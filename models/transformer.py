@@ -429,6 +429,14 @@ class ParallelBlock(nnx.Module):
     return x_bsd if stats is None else (x_bsd, stats)
 
 
+class _Tail(nnx.Module):
+  """What follows the blocks: the final norm and the head (the embedding, tied)."""
+
+  def __init__(self, ln_f: nnx.Module, head: nnx.Module):
+    self.ln_f = ln_f
+    self.head = head
+
+
 class Transformer(nnx.Module):
   """tokens ``[b, s]`` -> logits, tensor-parallel over the mesh's ``"model"`` axis.
 
@@ -503,6 +511,42 @@ class Transformer(nnx.Module):
     if return_layer_loads:
       return logits, stats, loads
     return (logits, stats) if return_router_stats else logits
+
+  def pipelined_loss(self, tokens_bs, token_loss, batched=(), *, dropout_key=None):
+    """Inside the step's map, a model whose stages run the 1F1B schedule
+    (``Execution(pipeline_schedule="1f1b")``): the loss of this device's rows, each
+    microbatch's taken as soon as it leaves the last stage
+    (``flax_tp.pipeline.pipeline_1f1b_loss``).
+
+    ``token_loss(logits, *rows)``: one microbatch's share of the loss from its logits
+    (this device's vocabulary shard, ``[b / M, s, vocab_pad]``, as ``__call__`` gives
+    them) and its rows of ``batched`` (arrays ``[b, ...]``: the labels). Returns the
+    sum of the shares over microbatches (a scalar, the same on every stage), which
+    ``jax.grad`` differentiates as it would the same loss of ``__call__``'s logits."""
+    if self.pipeline is None or self.pipeline.schedule != "1f1b":
+      raise ValueError(f"pipelined_loss is for a model pipelined with the 1f1b schedule; "
+                       f"this one's is {None if self.pipeline is None else self.pipeline}")
+    cfg = self.cfg
+    rows = (global_rows(tokens_bs.shape[0]) if is_varying(tokens_bs, flax_tp.DATA_AXIS)
+            else jnp.arange(tokens_bs.shape[0]))
+    layout = self.activation_layout(tokens_bs.shape[1])
+    x = ops.scale_embeddings(cfg, self.embed(layout.tokens(tokens_bs)))
+    x = layout.zero_padding(x)
+    x = _dropout(x, ops.site_key(dropout_key, 0, ops.EMBED), cfg.dropout, rows, layout)
+    tail = _Tail(self.ln_f, self.embed if cfg.tie_embeddings else self.head)
+
+    def tail_loss(tail, x, *rows):
+      x = tail.ln_f(x)
+      x = flax_tp.copy_to_parallel(x) if layout.sequence is None else layout.gather(x)
+      logits = tail.head.attend(x) if cfg.tie_embeddings else tail.head(x)
+      return token_loss(ops.softcap_of(logits, cfg.final_softcap), *rows)
+
+    return flax_tp.pipeline.pipeline_1f1b_loss(
+        self.blocks, tail, x,
+        lambda block, x, layer, rows, *_: block(x, dropout_key, layer, rows, layout),
+        lambda tail, x, rows, *batched_rows: tail_loss(tail, x, *batched_rows),
+        (rows, *batched), plan=self.pipeline, microbatches=self.execution.microbatches,
+        remat=self.execution.remat)
 
   def activation_layout(self, seq_len: int) -> ActivationLayout:
     """Inside the step's map: how a sequence of ``seq_len`` tokens is split (over

@@ -383,21 +383,32 @@ def test_context_bench_counts_each_strategys_bytes_against_the_minimum(tmp_path)
 @pytest.mark.slow
 def test_pipeline_bench_counts_the_bytes_over_stage_and_the_bubble(tmp_path):
   """bench.pipeline: over "stage" a device sends, per step, one microbatch activation per
-  iteration forward and one cotangent back (GPipe's last stage none), and two all-reduces
-  of the whole [b, s, d]; the analytic bubble is (S - 1) / (R * M + S - 1) (M >= S)."""
+  iteration forward and one cotangent back (GPipe's and 1F1B's last stage none; 1F1B's
+  M + 2(S - 1) iterations), and two all-reduces of the whole [b, s, d] (1F1B: one, with
+  the head's and final norm's gradients); the analytic bubble is (S - 1) / (R * M + S -
+  1) (M >= S); 1F1B keeps less for backward than GPipe at M = 4."""
   from bench.pipeline import main as pipeline_main
   out = tmp_path / "pipeline.json"
   assert pipeline_main(["--layers", "4", "--seq", "8", "--batch", "8", "--repeats", "1",
-                        "--layouts", "2:2:gpipe,2:4:circular", "--out", str(out)]) == 0
+                        "--layouts", "2:4:gpipe,2:4:circular,2:4:1f1b",
+                        "--out", str(out)]) == 0
   results = json.loads(out.read_text())
   d = 128  # the small preset's d_model
   for row in results["rows"]:
     s, m, r = row["stages"], row["microbatches"], row["repeats"]
     activation = (8 // m) * 8 * d * 4
-    senders = s - 1 if row["schedule"] == "gpipe" else s
+    senders = s - 1 if row["schedule"] != "circular" else s
     assert row["sent"]["permute"] == pytest.approx(
         2 * row["iterations"] * activation * senders / s)
-    assert row["sent"]["all_reduce"] == pytest.approx(2 * 2 * (s - 1) / s * m * activation)
+    if row["schedule"] == "1f1b":
+      assert row["iterations"] == m + 2 * (s - 1)
+      assert row["tail_bytes"] == 256 // 2 * d * 4 + 2 * d * 4  # head shard, LayerNorm
+      assert row["sent"]["all_reduce"] == pytest.approx(  # (scalars may join it)
+          2 * (s - 1) / s * (m * activation + row["tail_bytes"]), abs=16)
+    else:
+      assert row["sent"]["all_reduce"] == pytest.approx(2 * 2 * (s - 1) / s * m * activation)
     assert row["minimum"] == pytest.approx(2 * m * (r * s - 1) * activation / s)
     assert row["bubble_analytic"] == pytest.approx((s - 1) / (r * m + s - 1))
     assert row["step_s"] > 0 and row["param_bytes"] < results["baseline"]["param_bytes"]
+  temps = {row["schedule"]: row["temp_bytes"] for row in results["rows"]}
+  assert temps["1f1b"] < temps["gpipe"]

@@ -349,7 +349,7 @@ def test_a_pipelined_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
   """--mesh stage=2,data=2,model=2 --microbatches 4 logs the losses --mesh 2x4 does (the
   same global batch), says which layers each stage holds and the bubble, and its
   checkpoint (the unpipelined model's) resumes on 1x8 as 2x4's does; the circular
-  schedule logs the same losses."""
+  and 1F1B schedules log the same losses."""
   from helpers import logged_losses
 
   def run(mesh, name, steps, *extra):
@@ -375,6 +375,10 @@ def test_a_pipelined_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
                          "--pipeline-schedule", "circular")
   assert "(circular, 1 group per stage: the same as gpipe), 2 microbatches" in stdout
   assert circular == pytest.approx(plain[:len(circular)], rel=1e-5)
+  stdout, one_f_one_b = run("stage=2,data=2,model=2", "1f1b", 2, "--microbatches", "4",
+                            "--pipeline-schedule", "1f1b")
+  assert "(1f1b, each stage keeping 3 microbatch inputs), 4 microbatches" in stdout
+  assert one_f_one_b == pytest.approx(plain[:len(one_f_one_b)], rel=1e-5)
   stdout, from_piped = run("1x8", "from_piped", 6, *ckpt("piped"), "--resume")
   assert "resumed from step 4" in stdout
   _, from_plain = run("1x8", "from_plain", 6, *ckpt("plain"), "--resume")

@@ -15,14 +15,14 @@ import flax_tp
 from flax_tp.checkpoint import Checkpointer
 from flax_tp.hlo import collectives
 from flax_tp.param_info import ParamInfo
-from flax_tp.pipeline import StagePlan
+from flax_tp.pipeline import StagePlan, one_f_one_b, stash_slots
 from models.config import TransformerConfig
 from models.execution import Execution, unpipeline, view
 from models.reference import ReferenceTransformer, reference_loss
 from models.transformer import Transformer
 from train.step import Trainer, make_optimizer
 
-GPIPE, CIRCULAR = "gpipe", "circular"
+GPIPE, CIRCULAR, ONE_F_ONE_B = "gpipe", "circular", "1f1b"
 
 
 # -- where the layers sit ----------------------------------------------------------
@@ -81,11 +81,56 @@ def test_the_bubble_is_the_idle_share_of_the_iterations(stages, microbatches, re
         (stages - 1) / (repeats * microbatches + stages - 1))
 
 
+@pytest.mark.parametrize("stages,microbatches", [
+    (2, 1), (2, 4), (3, 2), (3, 5), (4, 4), (4, 9), (8, 3), (8, 16)])
+def test_1f1b_runs_each_microbatch_forward_then_backward_keeping_few_inputs(stages,
+                                                                            microbatches):
+  """The 1F1B schedule simulated from ``one_f_one_b`` as the step's scan runs it: each
+  stage runs every microbatch forward once and backward once; a forward at stage s + 1
+  follows the one at s by an iteration, a backward at s the one at s + 1 (on the last
+  stage, the iteration of its forward); the input a stage keeps in slot ``m % K`` is
+  still there when its backward reads it; and no stage holds more than K = min(M, 2S - 1)
+  inputs at once (stage 0 that many whenever M >= 2S - 1), where GPipe keeps all M."""
+  S, M = stages, microbatches
+  K = stash_slots(StagePlan.of(S, S), M)
+  assert K == min(M, 2 * S - 1)
+  forward, backward, slots, held = {}, {}, [{} for _ in range(S)], [set() for _ in range(S)]
+  peak = [0] * S
+  for t in range(M + 2 * (S - 1)):
+    for s in range(S):
+      (f, f_real), (b, b_real) = one_f_one_b(t, s, S, M)
+      if f_real:
+        assert (s, f) not in forward
+        forward[s, f] = t
+        slots[s][f % K] = f
+        held[s].add(f)
+        peak[s] = max(peak[s], len(held[s]))
+      if b_real:
+        assert (s, b) not in backward and slots[s][b % K] == b  # its input, not another's
+        backward[s, b] = t
+        held[s].remove(b)
+  everything = {(s, m) for s in range(S) for m in range(M)}
+  assert set(forward) == set(backward) == everything
+  for s, m in everything:
+    assert backward[s, m] >= forward[s, m]
+    if s + 1 < S:
+      assert forward[s + 1, m] == forward[s, m] + 1
+      assert backward[s, m] == backward[s + 1, m] + 1
+    else:
+      assert backward[s, m] == forward[s, m]
+  assert max(peak) <= K
+  if M >= 2 * S - 1:
+    assert peak[0] == K
+
+
 def test_bad_pipeline_options_are_refused_naming_the_value():
-  with pytest.raises(ValueError, match="pipeline_schedule must be one of .* got '1f1b'"):
-    Execution(pipeline_schedule="1f1b")
+  with pytest.raises(ValueError, match="pipeline_schedule must be one of .* got '1F1B'"):
+    Execution(pipeline_schedule="1F1B")
   with pytest.raises(ValueError, match="pipeline_repeats=2 is for the circular schedule"):
     Execution(pipeline_repeats=2)
+  with pytest.raises(ValueError, match="pipeline_repeats=3 is for the circular schedule; "
+                     "1f1b holds one group"):
+    Execution(pipeline_schedule=ONE_F_ONE_B, pipeline_repeats=3)
   with pytest.raises(ValueError, match="microbatches must be a positive integer, got 0"):
     Execution(microbatches=0)
   with pytest.raises(ValueError, match="pipeline_repeats must be a positive integer"):
@@ -154,13 +199,13 @@ def _microbatches(mesh_spec):
   return 4 // flax_tp.MeshAxes.parse(mesh_spec).data
 
 
-FAST = [("stage=2,data=2,model=2", 5, CIRCULAR)]
+FAST = [("stage=2,data=2,model=2", 5, CIRCULAR), ("stage=4,model=2", 6, ONE_F_ONE_B)]
 
 
 @pytest.mark.parametrize("mesh_spec,layers,schedule", FAST + [
     pytest.param(mesh_spec, layers, schedule, marks=pytest.mark.slow)
-    for mesh_spec in MESHES for layers in (4, 5, 6, 7, 8) for schedule in (GPIPE, CIRCULAR)
-    if (mesh_spec, layers, schedule) not in FAST])
+    for mesh_spec in MESHES for layers in (4, 5, 6, 7, 8)
+    for schedule in (GPIPE, CIRCULAR, ONE_F_ONE_B) if (mesh_spec, layers, schedule) not in FAST])
 def test_a_pipelined_model_is_exact_at_any_layer_count(mesh_spec, layers, schedule):
   _check_against_reference(mesh_spec, layers, Execution(
       microbatches=_microbatches(mesh_spec), pipeline_schedule=schedule))
@@ -181,6 +226,17 @@ def test_a_pipelined_model_is_exact_at_any_layer_count(mesh_spec, layers, schedu
         microbatches=2, pipeline_schedule=CIRCULAR), marks=pytest.mark.slow),
     pytest.param("stage=2,context=2,model=2", 4, (), Execution(
         microbatches=2, context_parallel="ring", fsdp=True), marks=pytest.mark.slow),
+    # 1F1B: each stage's forward recomputed in its backward from the kept input, with
+    # FSDP's gathers, remat and sequence parallelism inside
+    pytest.param("stage=2,data=2,model=2", 5,
+                 dict(num_kv_heads=2, mlp="swiglu", norm="rmsnorm"),
+                 Execution(microbatches=2, pipeline_schedule=ONE_F_ONE_B, fsdp=True,
+                           remat="block", sequence_parallel=True), marks=pytest.mark.slow),
+    pytest.param("stage=2,context=2,model=2", 5, (), Execution(
+        microbatches=2, pipeline_schedule=ONE_F_ONE_B), marks=pytest.mark.slow),
+    pytest.param("stage=2,context=2,model=2", 4, (), Execution(
+        microbatches=2, pipeline_schedule=ONE_F_ONE_B, context_parallel="ring", fsdp=True),
+        marks=pytest.mark.slow),
     # two microbatches per stage pass (repeats 2 of groups of 2 layers)
     pytest.param("stage=2,data=2,model=2", 7, (), Execution(
         microbatches=1, pipeline_schedule=CIRCULAR, pipeline_repeats=2),
@@ -202,10 +258,19 @@ def test_a_pipelined_mixture_of_experts_is_exact(schedule):
       microbatches=2, pipeline_schedule=schedule), preset="moe-tiny")
 
 
+def test_1f1b_refuses_a_mixture_of_experts_naming_why():
+  with pytest.raises(ValueError, match="'1f1b' takes each microbatch's loss as it leaves "
+                     "the last stage, and a mixture of experts' load-balancing loss"):
+    Transformer(TransformerConfig.preset("moe-tiny", num_layers=2),
+                mesh=flax_tp.make_mesh("stage=2,model=2"), rngs=nnx.Rngs(0),
+                execution=Execution(microbatches=2, pipeline_schedule=ONE_F_ONE_B))
+
+
 @pytest.mark.slow
-def test_dropout_masks_do_not_depend_on_the_stages():
+@pytest.mark.parametrize("schedule", [CIRCULAR, ONE_F_ONE_B])
+def test_dropout_masks_do_not_depend_on_the_stages(schedule):
   _check_against_reference("stage=2,data=2,model=2", 4, Execution(
-      microbatches=2, pipeline_schedule=CIRCULAR), options=(("dropout", 0.1),), dropout=True)
+      microbatches=2, pipeline_schedule=schedule), options=(("dropout", 0.1),), dropout=True)
 
 
 def _perturbed_adapters(model, seed=5):
@@ -220,7 +285,8 @@ def _perturbed_adapters(model, seed=5):
 
 
 @pytest.mark.slow
-def test_lora_on_a_pipelined_model_is_exact_against_one_device():
+@pytest.mark.parametrize("schedule", [CIRCULAR, ONE_F_ONE_B])
+def test_lora_on_a_pipelined_model_is_exact_against_one_device(schedule):
   """Adapters stacked and split over the stages as their base: the adapters' gradients
   (the base frozen) as on 1x1."""
   cfg = TransformerConfig.preset("llama-tiny", num_layers=3)
@@ -228,7 +294,7 @@ def test_lora_on_a_pipelined_model_is_exact_against_one_device():
   tokens = jax.random.randint(jax.random.key(1), (4, 8), 0, cfg.vocab_size)
   results = []
   for spec, execution in (("1x1", Execution()), ("stage=2,data=2,model=2", Execution(
-      microbatches=2, pipeline_schedule=CIRCULAR))):
+      microbatches=2, pipeline_schedule=schedule))):
     model = Transformer(cfg, mesh=flax_tp.make_mesh(spec), rngs=nnx.Rngs(0),
                         execution=execution, lora=lora)
     if not results:
@@ -246,8 +312,11 @@ def test_lora_on_a_pipelined_model_is_exact_against_one_device():
 # -- training and checkpoints ----------------------------------------------------
 
 
-def test_a_step_updates_as_on_one_device_and_checkpoints_move_between_meshes(tmp_path):
-  """One AdamW step pipelined (circular, 5 layers: one identity layer) equals it on
+@pytest.mark.parametrize("schedule", [CIRCULAR, pytest.param(ONE_F_ONE_B,
+                                                              marks=pytest.mark.slow)])
+def test_a_step_updates_as_on_one_device_and_checkpoints_move_between_meshes(tmp_path,
+                                                                           schedule):
+  """One AdamW step pipelined (5 layers: one identity layer; with FSDP) equals it on
   1x1; the identity layer's params and moments stay zero; its checkpoint holds the
   model's 5 layers and restores on 1x8 and on another pipeline's stages, and back."""
   cfg = TransformerConfig.preset("tiny", num_layers=5)
@@ -264,7 +333,7 @@ def test_a_step_updates_as_on_one_device_and_checkpoints_move_between_meshes(tmp
     return params, opt_state, metrics
 
   pipelined = trainer("stage=2,data=2,model=2", Execution(
-      microbatches=2, pipeline_schedule=CIRCULAR, fsdp=True))
+      microbatches=2, pipeline_schedule=schedule, fsdp=True))
   one = trainer("1x1")
   params, opt_state, metrics = step(pipelined)
   one_params, _, one_metrics = step(one)
@@ -274,7 +343,7 @@ def test_a_step_updates_as_on_one_device_and_checkpoints_move_between_meshes(tmp
   # gradient moves a param by up to 2 lr = 2e-2; float noise on a gradient near zero
   # moves it by a little of lr.
   assert_state_close(params, flax_tp.unshard(one_params), rtol=0, atol=1e-4)
-  identity = StagePlan.of(5, 2, CIRCULAR).slot_layers.index(None)
+  identity = StagePlan.of(5, 2, schedule).slot_layers.index(None)
   is_var = lambda x: isinstance(x, nnx.Variable)
   slotted = [var for var in jax.tree.leaves((params, opt_state), is_leaf=is_var)
              if is_var(var) and ParamInfo.of(var).layer_slots is not None]
@@ -327,13 +396,16 @@ def test_a_pipelined_model_decodes_unpipelined_and_refuses_a_mixed_model():
 # -- what crosses the stage axis --------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", [GPIPE, pytest.param(CIRCULAR, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule", [GPIPE, pytest.param(CIRCULAR, marks=pytest.mark.slow),
+                                      ONE_F_ONE_B])
 def test_over_stage_a_step_sends_activations_and_their_cotangents_only(schedule):
   """On stage=2,data=2,model=2 the compiled step's collectives over "stage" are one
   collective-permute of a microbatch's activation [b/M, s, d] forward and one of its
-  cotangent backward (each run every iteration, inside the scan), the last stage's
-  output all-reduced to every stage [b, s, d], its transpose for the embedding's
-  cotangent, and the scalars of the gradient norm: no param's gradient crosses stages."""
+  cotangent backward (each run every iteration, inside the scan), then GPipe's and the
+  circular schedule's last stage's output all-reduced to every stage [b, s, d] and its
+  transpose for the embedding's cotangent; 1F1B's stage 0's input cotangents [b, s, d]
+  and the last stage's gradients of the head and final norm (one all-reduce together);
+  and scalars: no block's gradient crosses stages."""
   cfg = TransformerConfig.preset("tiny", num_layers=4)
   mesh = flax_tp.make_mesh("stage=2,data=2,model=2")
   microbatches = 2
@@ -349,6 +421,14 @@ def test_over_stage_a_step_sends_activations_and_their_cotangents_only(schedule)
   permutes = [c for c in over_stage if c.kind == "collective-permute"]
   assert [(c.axes, c.bytes) for c in permutes] == [(("stage",), activation)] * 2
   reduces = [c for c in over_stage if c.kind == "all-reduce" and c.bytes > 8]
-  assert [(c.axes, c.bytes) for c in reduces] == [(("stage",), microbatches * activation)] * 2
+  if schedule == ONE_F_ONE_B:
+    tail = nnx.state(trainer.model(trainer.params), nnx.Param)
+    tail = [tail["embed"], tail["ln_f"]]  # (tiny ties its head to the embedding)
+    tail_bytes = sum(v[...].addressable_shards[0].data.nbytes
+                     for v in jax.tree.leaves(tail))
+    assert [c.axes for c in reduces] == [("stage",)]
+    assert 0 <= reduces[0].bytes - microbatches * activation - tail_bytes <= 8  # (+ loss)
+  else:
+    assert [(c.axes, c.bytes) for c in reduces] == [(("stage",), microbatches * activation)] * 2
   assert len(over_stage) - len(permutes) - len(reduces) <= 2  # scalars
   assert {c.kind for c in over_stage} <= {"collective-permute", "all-reduce"}

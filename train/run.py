@@ -138,8 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--pipeline-schedule", default=Execution.pipeline_schedule,
                  choices=SCHEDULES,
                  help="on a mesh with a stage axis: 'gpipe' (each stage one group of "
-                      "consecutive layers) or 'circular' (each stage several groups of "
-                      "non-adjacent layers, the bubble divided by their number)")
+                      "consecutive layers), 'circular' (each stage several groups of "
+                      "non-adjacent layers, the bubble divided by their number) or '1f1b' "
+                      "(gpipe's layers, each stage alternating forwards and backwards: "
+                      "activation memory flat in --microbatches, one more forward)")
   p.add_argument("--pipeline-repeats", type=int, default=None,
                  help="the circular schedule's groups per stage (default: as many as the "
                       "layers a stage holds)")

@@ -259,15 +259,6 @@ class Trainer:
     model = nnx.merge(self.graphdef, params)
     stats = None
     loads = None
-    if self.cfg.has_experts:
-      # All S + 1 tokens through the model, as transformers runs its input_ids: the last
-      # token predicts nothing, but its routing counts in the load-balancing loss.
-      logits, stats, loads = model(tokens, dropout_key=key, return_layer_loads=True)
-      stats = stats.all_reduce(batch_axes())  # every data and context shard's tokens
-      if with_router == "layers":  # (one more small all-reduce, only when balancing)
-        loads = flax_tp.all_reduce(loads, "sum", batch_axes())
-    else:
-      logits = model(tokens[:, :-1], dropout_key=key)
     model_len = tokens.shape[1] if self.cfg.has_experts else tokens.shape[1] - 1
     labels = tokens[:, 1:] if labels is None else labels
     batch, seq_len = labels.shape
@@ -280,22 +271,40 @@ class Trainer:
       fill = 0 if options.ignore_index is None else options.ignore_index
       labels = context.local(jnp.pad(labels, ((0, 0), (0, model_len - seq_len)),
                                      constant_values=fill), fill=fill)
-    elif model_len > seq_len:
-      logits = logits[:, :seq_len]
-    per_token = flax_tp.vocab_parallel_cross_entropy(
-        logits, labels, vocab_size=self.cfg.vocab_size,
-        label_smoothing=options.label_smoothing, z_loss=options.z_loss,
-        ignore_index=options.ignore_index)
-    if context is not None:
-      scored = context.positions() < seq_len
-      per_token = jnp.where(scored[None], per_token, jnp.zeros((), per_token.dtype))
     reduce_over = batch_axes()  # "data" (and "context"): one all-reduce
     if options.ignore_index is None:  # a static count: no communication
       global_count = batch * seq_len * jax.lax.axis_size(flax_tp.DATA_AXIS)
     else:
       kept = flax_tp.kept_token_count(labels, options.ignore_index)
       global_count = jnp.maximum(flax_tp.all_reduce(kept, "sum", reduce_over), 1.0)
-    loss = flax_tp.all_reduce(per_token.sum() / global_count, "sum", reduce_over)
+
+    def token_loss(logits, labels):
+      """The summed loss of these logits' tokens over the global count."""
+      if context is None and model_len > seq_len:
+        logits = logits[:, :seq_len]
+      per_token = flax_tp.vocab_parallel_cross_entropy(
+          logits, labels, vocab_size=self.cfg.vocab_size,
+          label_smoothing=options.label_smoothing, z_loss=options.z_loss,
+          ignore_index=options.ignore_index)
+      if context is not None:
+        scored = context.positions() < seq_len
+        per_token = jnp.where(scored[None], per_token, jnp.zeros((), per_token.dtype))
+      return per_token.sum() / global_count
+
+    if self.cfg.has_experts:
+      # All S + 1 tokens through the model, as transformers runs its input_ids: the last
+      # token predicts nothing, but its routing counts in the load-balancing loss.
+      logits, stats, loads = model(tokens, dropout_key=key, return_layer_loads=True)
+      stats = stats.all_reduce(batch_axes())  # every data and context shard's tokens
+      if with_router == "layers":  # (one more small all-reduce, only when balancing)
+        loads = flax_tp.all_reduce(loads, "sum", batch_axes())
+      local = token_loss(logits, labels)
+    elif model.pipeline is not None and model.pipeline.schedule == "1f1b":
+      # Each microbatch's loss taken as it leaves the last stage, its backward begun.
+      local = model.pipelined_loss(tokens[:, :-1], token_loss, (labels,), dropout_key=key)
+    else:
+      local = token_loss(model(tokens[:, :-1], dropout_key=key), labels)
+    loss = flax_tp.all_reduce(local, "sum", reduce_over)
     if stats is not None and router_losses:
       if self.cfg.router_aux_loss_coef:
         loss = loss + self.cfg.router_aux_loss_coef * flax_tp.load_balancing_loss(stats)
