@@ -85,7 +85,12 @@ def test_mesh_too_large_exits_2_with_one_line():
      "over the 2-way data axis of --mesh stage=2,data=2,model=2)"),
     (["--microbatches", "0"], "--microbatches must be an integer in [1, 2147483647], got 0"),
     (["--pipeline-repeats", "2"], "--pipeline-repeats 2 is for --pipeline-schedule circular"),
-    (["--pipeline-schedule", "1f1b"], "invalid choice: '1f1b'"),
+    (["--pipeline-schedule", "zero-bubble"], "invalid choice: 'zero-bubble'"),
+    (["--pipeline-repeats", "2", "--pipeline-schedule", "1f1b"],
+     "--pipeline-repeats 2 is for --pipeline-schedule circular (1f1b holds one group"),
+    (["--preset", "moe-tiny", "--mesh", "stage=2,data=2,model=2", "--microbatches", "2",
+      "--pipeline-schedule", "1f1b"], "error: pipeline_schedule='1f1b' takes each "
+     "microbatch's loss as it leaves the last stage, and a mixture of experts'"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, argv, message):
   assert main(argv) == 2

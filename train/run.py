@@ -242,7 +242,8 @@ def check_args(args: argparse.Namespace) -> None:
   if args.pipeline_repeats is not None:
     if args.pipeline_schedule != "circular":
       raise UsageError(f"--pipeline-repeats {args.pipeline_repeats} is for "
-                       "--pipeline-schedule circular (GPipe holds one group of layers per stage)")
+                       f"--pipeline-schedule circular ({args.pipeline_schedule} holds one "
+                       "group of layers per stage)")
     if not 1 <= args.pipeline_repeats <= INT_MAX:
       raise UsageError(f"--pipeline-repeats must be an integer in [1, {INT_MAX}], got "
                        f"{args.pipeline_repeats}")

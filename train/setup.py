@@ -158,10 +158,10 @@ class SetUp:
       model = build_run_model(self.cfg, mesh=self.mesh, seed=job.schedule.seed,
                               init_from=base, lora=self.lora, execution=self.execution)
     except (ValueError, OSError) as err:  # a LoRA target that matches no layer; missing
-      # or misshapen tensors
-      lora_error = str(err).startswith("LoRA target")
-      raise UsageError(f"--lora-targets: {err}" if lora_error or not base
-                       else f"--init-from {base!r}: {err}") from None
+      # or misshapen tensors; a model the mesh's pipeline cannot run
+      if str(err).startswith("LoRA target"):
+        raise UsageError(f"--lora-targets: {err}") from None
+      raise UsageError(f"--init-from {base!r}: {err}" if base else str(err)) from None
     opt = job.optimizer
     tx = make_optimizer(lr=opt.lr, steps=job.schedule.steps, warmup_steps=opt.warmup_steps,
                         weight_decay=opt.weight_decay, grad_clip=opt.grad_clip)
