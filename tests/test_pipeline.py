@@ -200,10 +200,10 @@ def _microbatches(mesh_spec):
 
 
 FAST = [("stage=2,data=2,model=2", 5, CIRCULAR), ("stage=4,model=2", 6, ONE_F_ONE_B)]
-# 1F1B runs GPipe's layout (the layer counts' padding is GPipe's, swept above): per mesh a
-# count that leaves identity layers on some stage and one that does not.
-ONE_F_ONE_B_LAYERS = {"stage=2,data=2,model=2": (5, 8), "stage=4,model=2": (6, 8),
-                      "stage=3,model=2": (5, 6), "stage=8": (5, 8)}
+# 1F1B runs GPipe's layout (whose padding at every layer count is swept above) on a
+# schedule that depends on S and M alone: per mesh one count leaving identity layers.
+ONE_F_ONE_B_LAYERS = {"stage=2,data=2,model=2": (5,), "stage=4,model=2": (6,),
+                      "stage=3,model=2": (5,), "stage=8": (7,)}
 
 
 @pytest.mark.parametrize("mesh_spec,layers,schedule", FAST + [
@@ -239,9 +239,8 @@ def test_a_pipelined_model_is_exact_at_any_layer_count(mesh_spec, layers, schedu
                  dict(num_kv_heads=2, mlp="swiglu", norm="rmsnorm"),
                  Execution(microbatches=2, pipeline_schedule=ONE_F_ONE_B, fsdp=True,
                            remat="block", sequence_parallel=True), marks=pytest.mark.slow),
+    # (ring attention's ppermutes inside a stage: run masked, never skipped by a cond)
     pytest.param("stage=2,context=2,model=2", 5, (), Execution(
-        microbatches=2, pipeline_schedule=ONE_F_ONE_B), marks=pytest.mark.slow),
-    pytest.param("stage=2,context=2,model=2", 4, (), Execution(
         microbatches=2, pipeline_schedule=ONE_F_ONE_B, context_parallel="ring", fsdp=True),
         marks=pytest.mark.slow),
     # two microbatches per stage pass (repeats 2 of groups of 2 layers)
