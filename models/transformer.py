@@ -482,16 +482,18 @@ class Transformer(nnx.Module):
     """How the logits' vocabulary dimension is split and padded."""
     return self.embed.layout
 
-  def __call__(self, tokens_bs, *, dropout_key=None, return_router_stats=False,
-               return_layer_loads=False):
-    """``return_router_stats`` (inside a map, a model with MoE layers): also the sum of
-    the MoE layers' ``flax_tp.moe.RouterStats`` over this device's tokens (its data
-    shard's, and on a context mesh its context slots' holding a token): sum them over
-    ``batch_axes()``. ``return_layer_loads`` with it: and each MoE layer's own counts,
-    ``[MoE layers, E]`` in layer order (the selection biases' balancing reads them)."""
+  def __call__(self, tokens_bs, *, dropout_key=None, with_aux=False):
+    """``with_aux`` (inside the step's map): ``(logits, aux)``, where ``aux`` is what the
+    model's own losses and metrics (``aux_losses``, ``aux_metrics``) are computed from:
+    a dict of sums over this device's tokens (its data shard's, and on a context mesh its
+    context slots' holding a token), which the step sums over ``batch_axes()`` first.
+    Empty for a model without mixture-of-experts layers; with them ``"router"``, the MoE
+    layers' ``flax_tp.RouterStats`` added up, and ``"layer_loads"``, each MoE layer's
+    counts ``[MoE layers, E]`` in layer order (the selection biases' balancing reads
+    them)."""
     if not flax_tp.axis_is_bound(flax_tp.MODEL_AXIS):
-      if return_router_stats:
-        raise ValueError("return_router_stats is for a call inside the step's shard_map")
+      if with_aux:
+        raise ValueError("with_aux is for a call inside the step's shard_map")
       return self._standalone(tokens_bs, dropout_key)
     cfg = self.cfg
     # Each row's global number (dropout's key), or for a batch replicated over "data"
@@ -508,9 +510,43 @@ class Transformer(nnx.Module):
     x = flax_tp.copy_to_parallel(x) if layout.sequence is None else layout.gather(x)
     logits = ops.softcap_of(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
                             cfg.final_softcap)
-    if return_layer_loads:
-      return logits, stats, loads
-    return (logits, stats) if return_router_stats else logits
+    if not with_aux:
+      return logits
+    return logits, ({} if stats is None else {"router": stats, "layer_loads": loads})
+
+  def step_tokens(self, tokens_bs):
+    """What the model runs of a next-token step's tokens ``[b, S + 1]``: the first ``S``,
+    or with mixture-of-experts layers all ``S + 1``, as transformers runs its
+    ``input_ids`` (the last token predicts nothing, but its routing counts in the
+    load-balancing loss; its logits are dropped)."""
+    return tokens_bs if self.cfg.has_experts else tokens_bs[:, :-1]
+
+  def aux_losses(self, aux, options) -> dict:
+    """The losses the model adds to a step's, by name, weighted, from ``aux`` (``__call__``'s,
+    summed over the whole batch): with experts, ``router_aux_loss_coef`` times the
+    load-balancing loss and ``options.router_z_loss`` times the router z-loss, both over
+    every MoE layer (as transformers concatenates the layers' router logits)."""
+    losses = {}
+    if "router" in aux:
+      if self.cfg.router_aux_loss_coef:
+        losses["router_aux_loss"] = (self.cfg.router_aux_loss_coef
+                                     * flax_tp.load_balancing_loss(aux["router"]))
+      if options.router_z_loss:
+        losses["router_z_loss"] = options.router_z_loss * flax_tp.router_z_loss(aux["router"])
+    return losses
+
+  def aux_metrics(self, aux) -> dict:
+    """What a step logs of ``aux`` (summed over the whole batch): with experts, the
+    load-balancing and z losses (unweighted), each expert's share of the routed choices
+    summed over layers (1 / num_experts each when balanced), and the share of choices a
+    capacity dropped (0 when dropless)."""
+    if "router" not in aux:
+      return {}
+    stats, top_k = aux["router"], self.cfg.experts_per_token
+    return {"router_aux_loss": flax_tp.load_balancing_loss(stats),
+            "router_z_loss": flax_tp.router_z_loss(stats),
+            "expert_load": stats.counts / (stats.tokens * top_k),
+            "expert_dropped": stats.dropped / (stats.tokens * top_k)}
 
   def pipelined_loss(self, tokens_bs, token_loss, batched=(), *, dropout_key=None):
     """Inside the step's map, a model whose stages run the 1F1B schedule

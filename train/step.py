@@ -91,24 +91,13 @@ class LossOptions:
   router_z_loss: float = 0.0
 
 
-def moe_metrics(stats: flax_tp.RouterStats, num_experts: int, top_k: int) -> dict[str, Any]:
-  """A step's mixture-of-experts figures from its global router statistics (every MoE
-  layer and token): the load-balancing and z losses (unweighted) and each expert's share
-  of the routed choices, summed over layers (1 / num_experts each when balanced), and
-  the share of choices a capacity dropped (0 when dropless)."""
-  return {"router_aux_loss": flax_tp.load_balancing_loss(stats),
-          "router_z_loss": flax_tp.router_z_loss(stats),
-          "expert_load": stats.counts / (stats.tokens * top_k),
-          "expert_dropped": stats.dropped / (stats.tokens * top_k)}
-
-
 def balance_selection_biases(params: nnx.State, loads: jax.Array,
                              rate: float) -> tuple[nnx.State, jax.Array]:
   """DeepSeek-V3's auxiliary-loss-free load balancing (its report, section 2.1.2): after
   a step, each MoE layer's selection bias moves by ``rate`` per expert, up for an expert
   that took fewer of the step's choices than the layer's mean, down for one that took
   more (``bias += rate * sign(mean(load) - load)``). ``loads [MoE layers, E]``: the
-  step's global counts in layer order (``Transformer(..., return_layer_loads=True)``).
+  step's global counts in layer order (the ``"layer_loads"`` of the model's aux).
   Returns the params with the biases moved, and the biases' mean spread (max - min per
   layer) after the move, which the metrics log."""
   flat = nnx.to_flat_state(params)
@@ -237,19 +226,15 @@ class Trainer:
 
   def _local_loss(self, params: nnx.State, tokens: jax.Array, key: jax.Array | None,
                   labels: jax.Array | None = None, options: LossOptions = LossOptions(),
-                  with_router: bool = False, router_losses: bool = True):
+                  with_aux: bool = False, aux_losses: bool = True):
     """Mean loss over the *global* batch from this device's shard: summed over "data".
 
     ``labels`` ``[b, S]`` (default: ``tokens[:, 1:]``) may hold
-    ``options.ignore_index`` to leave tokens out (a prompt in fine-tuning). A model with
-    mixture-of-experts layers adds ``router_aux_loss_coef`` times the load-balancing loss
-    and ``options.router_z_loss`` times the router z-loss, both over the global batch
-    and every MoE layer (as transformers concatenates the layers' router logits), and
-    over all ``S + 1`` tokens, which it runs through the model as transformers runs its
-    ``input_ids`` (the last one's logits are dropped).
-    ``with_router``: returns ``(loss, the global RouterStats or None)``; ``"layers"``:
-    ``(loss, (RouterStats, each MoE layer's global counts [MoE layers, E]))``;
-    ``router_losses=False``: the cross-entropy alone (the eval loss).
+    ``options.ignore_index`` to leave tokens out (a prompt in fine-tuning). The model
+    runs ``model.step_tokens(tokens)`` and adds its own losses (``model.aux_losses``, from
+    its aux summed over the global batch: a mixture of experts' router losses).
+    ``with_aux``: returns ``(loss, (the model's metrics, its global aux))``;
+    ``aux_losses=False``: the cross-entropy alone (the eval loss).
     """
     # Mark the params as per-replica once, here: backward then sums each param's
     # gradient locally (the tied embedding is used twice) and all-reduces it over
@@ -257,15 +242,14 @@ class Trainer:
     # all-gathered here instead (a block's by the block), its gradient reduce-scattered.
     params = gather_for_step(params)
     model = nnx.merge(self.graphdef, params)
-    stats = None
-    loads = None
-    model_len = tokens.shape[1] if self.cfg.has_experts else tokens.shape[1] - 1
+    model_tokens = model.step_tokens(tokens)
+    model_len = model_tokens.shape[1]
     labels = tokens[:, 1:] if labels is None else labels
     batch, seq_len = labels.shape
     # Context parallel: this device's logits are its slots' (ContextSplit) of the
     # model's model_len tokens; the labels are lined up with them, a padding slot's (and
-    # with experts the last token's, which predicts nothing) left out of the loss and
-    # its gradient.
+    # a token the model runs beyond the labels, which predicts nothing) left out of the
+    # loss and its gradient.
     context = model.activation_layout(model_len).context
     if context is not None:
       fill = 0 if options.ignore_index is None else options.ignore_index
@@ -291,28 +275,21 @@ class Trainer:
         per_token = jnp.where(scored[None], per_token, jnp.zeros((), per_token.dtype))
       return per_token.sum() / global_count
 
-    if self.cfg.has_experts:
-      # All S + 1 tokens through the model, as transformers runs its input_ids: the last
-      # token predicts nothing, but its routing counts in the load-balancing loss.
-      logits, stats, loads = model(tokens, dropout_key=key, return_layer_loads=True)
-      stats = stats.all_reduce(batch_axes())  # every data and context shard's tokens
-      if with_router == "layers":  # (one more small all-reduce, only when balancing)
-        loads = flax_tp.all_reduce(loads, "sum", batch_axes())
-      local = token_loss(logits, labels)
-    elif model.pipeline is not None and model.pipeline.schedule == "1f1b":
+    if model.pipeline is not None and model.pipeline.schedule == "1f1b":
       # Each microbatch's loss taken as it leaves the last stage, its backward begun.
-      local = model.pipelined_loss(tokens[:, :-1], token_loss, (labels,), dropout_key=key)
+      # (1F1B refuses a model with aux: it needs every microbatch's first.)
+      local = model.pipelined_loss(model_tokens, token_loss, (labels,), dropout_key=key)
+      aux = {}
     else:
-      local = token_loss(model(tokens[:, :-1], dropout_key=key), labels)
+      logits, aux = model(model_tokens, dropout_key=key, with_aux=True)
+      local = token_loss(logits, labels)
+    # The aux's sums over every data and context shard's tokens.
+    aux = jax.tree.map(lambda a: flax_tp.all_reduce(a, "sum", reduce_over), aux)
     loss = flax_tp.all_reduce(local, "sum", reduce_over)
-    if stats is not None and router_losses:
-      if self.cfg.router_aux_loss_coef:
-        loss = loss + self.cfg.router_aux_loss_coef * flax_tp.load_balancing_loss(stats)
-      if options.router_z_loss:
-        loss = loss + options.router_z_loss * flax_tp.router_z_loss(stats)
-    if with_router == "layers":
-      return loss, (stats, loads)
-    return (loss, stats) if with_router else loss
+    if aux_losses:
+      for weighted in model.aux_losses(aux, options).values():
+        loss = loss + weighted
+    return (loss, (model.aux_metrics(aux), aux)) if with_aux else loss
 
   def _map(self, fn: Callable, out_specs: Any, with_labels: bool = False) -> Callable:
     labels = (self.batch_spec,) if with_labels else ()
@@ -333,26 +310,17 @@ class Trainer:
     return mapped(params, tokens, key, *(() if labels is None else (labels,)))
 
   def _train_step(self, params, opt_state, tokens, key):
-    metrics = {}
-    loads = None
-    if self.cfg.has_experts:
-      balancing = self.bias_update_rate > 0
-      loss = functools.partial(self._local_loss, options=self.loss_options,
-                               with_router="layers" if balancing else True)
-      stats_specs = flax_tp.RouterStats(*(P(),) * len(flax_tp.RouterStats._fields))
-      aux_specs = (stats_specs, P()) if balancing else stats_specs
-      (loss, aux), grads = self._map(self._value_and_grad(loss, has_aux=True),
-                                     ((P(), aux_specs), self.trained_specs))(
-          params, tokens, key)
-      stats, loads = aux if balancing else (aux, None)
-      metrics.update(moe_metrics(stats, self.cfg.num_experts, self.cfg.experts_per_token))
-    else:
-      loss, grads = self.loss_and_grads(params, tokens, key)
+    loss = functools.partial(self._local_loss, options=self.loss_options, with_aux=True)
+    # (The model's metrics and aux are global sums, the same on every device.)
+    (loss, (metrics, aux)), grads = self._map(self._value_and_grad(loss, has_aux=True),
+                                              ((P(), P()), self.trained_specs))(
+        params, tokens, key)
     trained = self.trained(params)
     updates, opt_state = self.tx.update(grads, opt_state, trained)
     params = self.with_trained(params, optax.apply_updates(trained, updates))
     if self.bias_update_rate:
-      params, spread = balance_selection_biases(params, loads, self.bias_update_rate)
+      params, spread = balance_selection_biases(params, aux["layer_loads"],
+                                                self.bias_update_rate)
       metrics["selection_bias_spread"] = spread
     return params, opt_state, {"loss": loss, "grad_norm": flax_tp.logical_norm(grads),
                                **metrics}
@@ -360,7 +328,7 @@ class Trainer:
   def _eval_loss(self, params, tokens):
     # Plain cross-entropy (no smoothing, no z-loss, no router losses): comparable
     # across runs.
-    return self._map(functools.partial(self._local_loss, router_losses=False), P())(
+    return self._map(functools.partial(self._local_loss, aux_losses=False), P())(
         params, tokens, None)
 
 
