@@ -225,6 +225,17 @@ def merge_stages(stacked: nnx.Module) -> None:
     record(var, names=names, layer_slots=None)
 
 
+def _check_fits(plan: StagePlan, x: jax.Array, microbatches: int) -> None:
+  """Inside the map: ``ValueError`` naming both unless the mesh's ``"stage"`` axis has the
+  plan's stages and ``microbatches`` divides the rows of ``x [b, ...]``."""
+  if jax.lax.axis_size(STAGE_AXIS) != plan.stages:
+    raise ValueError(f"the plan has {plan.stages} stages, the mesh's {STAGE_AXIS!r} axis "
+                     f"{jax.lax.axis_size(STAGE_AXIS)}")
+  if x.shape[0] % microbatches:
+    raise ValueError(f"a batch of {x.shape[0]} rows (per data shard) does not split into "
+                     f"{microbatches} microbatches: microbatches must divide it")
+
+
 def _split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
   return x.reshape((microbatches, x.shape[0] // microbatches) + x.shape[1:])
 
@@ -275,12 +286,7 @@ def run_pipeline(blocks: nnx.Module, x: jax.Array, call: Callable, batched: tupl
   Returns ``x [b, ...]``, the same on every stage.
   """
   M, S, R, G = microbatches, plan.stages, plan.repeats, plan.group
-  if jax.lax.axis_size(STAGE_AXIS) != S:
-    raise ValueError(f"the plan has {S} stages, the mesh's {STAGE_AXIS!r} axis "
-                     f"{jax.lax.axis_size(STAGE_AXIS)}")
-  if x.shape[0] % M:
-    raise ValueError(f"a batch of {x.shape[0]} rows (per data shard) does not split into "
-                     f"{M} microbatches: microbatches must divide it")
+  _check_fits(plan, x, M)
   period, iterations = plan.period(M), plan.iterations(M)
   stage = jax.lax.axis_index(STAGE_AXIS)
   graphdef, stacked = nnx.split(blocks)
@@ -460,12 +466,7 @@ def pipeline_1f1b_loss(blocks: nnx.Module, tail: nnx.Module, x: jax.Array, call:
   M, S = microbatches, plan.stages
   if plan.repeats != 1:
     raise ValueError(f"1F1B runs one group of layers per stage, got repeats={plan.repeats}")
-  if jax.lax.axis_size(STAGE_AXIS) != S:
-    raise ValueError(f"the plan has {S} stages, the mesh's {STAGE_AXIS!r} axis "
-                     f"{jax.lax.axis_size(STAGE_AXIS)}")
-  if x.shape[0] % M:
-    raise ValueError(f"a batch of {x.shape[0]} rows (per data shard) does not split into "
-                     f"{M} microbatches: microbatches must divide it")
+  _check_fits(plan, x, M)
   graphdef, stacked = nnx.split(blocks)
   tail_def, tail_state = nnx.split(tail)
   run_group = _group_runner(graphdef, call, plan, remat, with_aux=False)
