@@ -488,7 +488,7 @@ def pipeline_1f1b_loss(blocks: nnx.Module, tail: nnx.Module, x: jax.Array, call:
     tail_v = jax.tree.map(varying, tail_state)
     xs = varying(_split_microbatches(x, M))
     rows = tuple(_split_microbatches(b, M) for b in batched)
-    zeros = lambda a: jnp.zeros_like(a)
+    zeros = jnp.zeros_like
     last = stage == S - 1
 
     def iteration(carry, t):
@@ -497,8 +497,9 @@ def pipeline_1f1b_loss(blocks: nnx.Module, tail: nnx.Module, x: jax.Array, call:
       f, b = jnp.clip(f, 0, M - 1), jnp.clip(b, 0, M - 1)
       # Forward of microbatch f, its input kept until its backward.
       x_in = jnp.where(stage == 0, xs[f], received)
-      stash = jax.lax.dynamic_update_index_in_dim(
-          stash, jnp.where(f_real, x_in, stash[f % K]), f % K, 0)
+      if backward:
+        stash = jax.lax.dynamic_update_index_in_dim(
+            stash, jnp.where(f_real, x_in, stash[f % K]), f % K, 0)
       # (Each piece of work runs only where it is real: a stage's devices take the same
       # branch, so the collectives inside meet.)
       y = _when(f_real, lambda st, x: stage_fn(st, x, tuple(r[f] for r in rows)),
