@@ -82,7 +82,8 @@ def _check_against_reference(mesh_spec, seq_len, cfg_options=None, execution=Non
 
   logits = jax.jit(lambda t: model(t))(tokens[:, :-1])
   assert logits.shape == (4, seq_len, cfg.vocab_size)
-  np.testing.assert_allclose(logits, reference(tokens[:, :-1]), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits, nnx.jit(lambda m, t: m(t))(reference, tokens[:, :-1]),
+                             rtol=1e-5, atol=1e-5)
 
   trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
   loss, grads = trainer.loss_and_grads(

@@ -474,7 +474,8 @@ def test_old_identity_is_unchanged_and_new_fields_round_trip():
 # -- from the CLI, as a new user runs it -----------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma3_text", "phi3", "olmo3", "glm4_moe", "gpt_oss"])
+# (GPT-OSS's and DeepSeek-V3's path from the CLI: test_a_2026_family_fine_tunes_...)
+@pytest.mark.parametrize("name", ["gemma3_text", "phi3", "olmo3", "glm4_moe"])
 def test_a_family_fine_tunes_resumes_on_another_mesh_and_generates(tmp_path, name, capsys):
   """``train/run.py --init-from`` a family's folder (its own tokenizer.json) on 2x4 with
   every execution option, resumed on 1x8 from a copied checkpoint, then

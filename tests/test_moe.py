@@ -751,6 +751,18 @@ def grouped_reference():
   return cfg, tokens, with_bias
 
 
+@pytest.fixture(scope="module")
+def grouped_expected(grouped_reference):
+  """The biased reference's logits, loss and gradients, computed once (jitted)."""
+  from models.reference import ReferenceTransformer, reference_loss
+  cfg, tokens, with_bias = grouped_reference
+  ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  with_bias(ref)
+  logits = nnx.jit(lambda m, t: m(t))(ref, tokens[:, :-1])
+  loss, grads = nnx.jit(nnx.value_and_grad(lambda m: reference_loss(m, tokens)))(ref)
+  return ref, logits, loss, nnx.split_state(nnx.state(grads, nnx.Param), flax_tp.TRAINED, ...)[0]
+
+
 @pytest.mark.parametrize("mesh_spec,options", [
     # (slow: the fast lane has this router against transformers, glm4_moe and deepseek_v3)
     pytest.param("4x2", {"scan_layers": True, "fsdp": True, "sequence_parallel": True},
@@ -758,31 +770,29 @@ def grouped_reference():
     pytest.param("1x3", {}, marks=pytest.mark.slow),
     pytest.param("2x4", {"expert_axes": "data,model"}, marks=pytest.mark.slow)])
 def test_a_grouped_sigmoid_router_trains_as_the_reference(meshes, grouped_reference,
-                                                         mesh_spec, options):
+                                                         grouped_expected, mesh_spec, options):
   """The reference loops over experts with transformers' Glm4MoeTopkRouter written out;
   flax_tp's MoE with the same declarations gives its logits, loss and every gradient, and
   3 AdamW steps; the selection bias is a checkpointed param the optimizer never moves."""
   from models.execution import Execution
-  from models.reference import ReferenceTransformer, reference_loss
+  from models.reference import ReferenceTransformer
   from models.transformer import Transformer
   from tests.helpers import assert_state_close
   from train.step import Trainer, make_optimizer
-  cfg, tokens, with_bias = grouped_reference
-  ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
+  cfg, tokens, _ = grouped_reference
+  ref, ref_logits, ref_loss, ref_grads = grouped_expected  # (the reference biased)
   model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0),
                       execution=Execution(**options))
-  assert_state_close(model, ref, rtol=0, atol=0)  # the same seed draws the same model
-  with_bias(ref)  # (then both pick with a bias that changes picks)
-  flax_tp.load_unsharded(model, ref)
-  np.testing.assert_allclose(jax.jit(lambda t: model(t))(tokens[:, :-1]),
-                             jax.jit(lambda t: ref(t))(tokens[:, :-1]), rtol=1e-5, atol=1e-5)
+  # the same seed draws the same model
+  assert_state_close(model, ReferenceTransformer(cfg, rngs=nnx.Rngs(0)), rtol=0, atol=0)
+  flax_tp.load_unsharded(model, ref)  # (then both pick with a bias that changes picks)
+  np.testing.assert_allclose(jax.jit(lambda t: model(t))(tokens[:, :-1]), ref_logits,
+                             rtol=1e-5, atol=1e-5)
   opt = make_optimizer(lr=1e-3, steps=3, warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
   trainer = Trainer(model, opt)
   placed = jax.device_put(tokens, trainer.batch_sharding)
-  ref_loss, ref_grads = jax.value_and_grad(lambda m: reference_loss(m, tokens))(ref)
   loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, placed)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-  ref_grads = nnx.split_state(nnx.state(ref_grads, nnx.Param), flax_tp.TRAINED, ...)[0]
   assert_state_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
   assert not jax.tree.leaves(nnx.state(grads, flax_tp.SelectionBias))  # not trained
   params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
@@ -813,7 +823,7 @@ def test_loss_free_balancing_moves_each_bias_toward_its_layers_mean_load(
   cfg, tokens, with_bias = grouped_reference
   ref = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
   with_bias(ref)
-  _, _, picked = ref(tokens, return_picked=True)
+  _, _, picked = nnx.jit(lambda m, t: m(t, return_picked=True))(ref, tokens)
   loads = [np.bincount(np.asarray(p).reshape(-1), minlength=9) for p in picked]
   expected = [SELECTION_BIAS + 0.01 * np.sign(np.mean(c) - c) for c in loads]
   assert all(np.any(c != np.mean(c)) for c in loads)  # (the fixture is not balanced)

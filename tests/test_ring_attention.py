@@ -90,8 +90,8 @@ def test_ring_gives_one_devices_attention_and_gradients(mesh_spec, seq_len, case
   q, k, v, weights = _inputs(seq_len)
   options = dict(CASES[case], key=jax.random.key(7))
   sinks = SINKS if options.pop("sinks", False) else None
-  (want_loss, want_grads), want = _value_and_grads(
-      functools.partial(_one_device, **options), q, k, v, sinks, weights)
+  (want_loss, want_grads), want = jax.jit(lambda *a: _value_and_grads(
+      functools.partial(_one_device, **options), *a))(q, k, v, sinks, weights)
   (got_loss, got_grads), got = jax.jit(lambda *a: _value_and_grads(
       functools.partial(_ring, mesh, **options), *a))(q, k, v, sinks, weights)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

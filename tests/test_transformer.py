@@ -1,6 +1,7 @@
 """The parallel transformer against models/reference.py from the same seed."""
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +29,9 @@ def tx():
   return make_optimizer(lr=1e-3, steps=STEPS, warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
 
 
+@functools.cache
 def reference_run(cfg, steps=STEPS):
-  """Losses, first gradients and final params of plain-Flax training."""
+  """Losses, first gradients and final params of plain-Flax training (once per config)."""
   model = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
   opt = tx()
@@ -50,6 +52,12 @@ def reference_run(cfg, steps=STEPS):
   return model, losses, first_grads, params
 
 
+def reference_logits(ref_model):
+  """The reference's logits of ``TOKENS`` (jitted: run eagerly, op by op, the reference
+  costs seconds per new shape)."""
+  return nnx.jit(lambda m, t: m(t))(ref_model, TOKENS[:, :-1])
+
+
 @pytest.fixture(scope="module")
 def reference():
   return reference_run(CFG)
@@ -64,7 +72,7 @@ def test_model_equivalence(meshes, mesh_spec, reference):
 
   logits = jax.jit(lambda t: model(t))(TOKENS[:, :-1])
   assert logits.shape == (8, CFG.max_seq_len, CFG.vocab_size)
-  np.testing.assert_allclose(logits, ref_model(TOKENS[:, :-1]), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits, reference_logits(ref_model), rtol=1e-5, atol=1e-5)
 
   trainer = Trainer(model, tx())
   tokens = jax.device_put(TOKENS, trainer.batch_sharding)
@@ -191,7 +199,7 @@ def test_grouped_query_attention_equivalence(meshes, llama_references, kv_heads,
   model = Transformer(cfg, mesh=meshes[mesh_spec], rngs=nnx.Rngs(0))
   assert_state_close(model, ref_model, rtol=0, atol=0)
   np.testing.assert_allclose(jax.jit(lambda t: model(t))(TOKENS[:, :-1]),
-                             ref_model(TOKENS[:, :-1]), rtol=1e-5, atol=1e-5)
+                             reference_logits(ref_model), rtol=1e-5, atol=1e-5)
   trainer = Trainer(model, tx())
   tokens = jax.device_put(TOKENS, trainer.batch_sharding)
   loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
@@ -394,7 +402,7 @@ def test_latent_attention_equivalence(meshes, latent, mesh_spec, options):
   if not options:
     assert_state_close(model, ref_model, rtol=0, atol=0)
   np.testing.assert_allclose(jax.jit(lambda t: model(t))(TOKENS[:, :-1]),
-                             ref_model(TOKENS[:, :-1]), rtol=1e-5, atol=1e-5)
+                             reference_logits(ref_model), rtol=1e-5, atol=1e-5)
   trainer = Trainer(model, tx())
   tokens = jax.device_put(TOKENS, trainer.batch_sharding)
   loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
@@ -447,7 +455,7 @@ def test_sinks_and_biased_clamped_experts_equivalence(meshes, mesh_spec, options
   if not execution.fsdp:
     assert_state_close(model, ref_model, rtol=0, atol=0)
   np.testing.assert_allclose(jax.jit(lambda t: model(t))(TOKENS[:, :-1]),
-                             ref_model(TOKENS[:, :-1]), rtol=1e-5, atol=1e-5)
+                             reference_logits(ref_model), rtol=1e-5, atol=1e-5)
   trainer = Trainer(model, tx())
   tokens = jax.device_put(TOKENS, trainer.batch_sharding)
   loss, grads = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
