@@ -60,7 +60,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flax_tp.collectives import all_gather, axis_is_bound, copy_to_parallel, shard_index
 from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, MeshAxes
-from flax_tp.param_info import FSDP_DIM, FSDP_PER_BLOCK, ParamInfo, record
+from flax_tp.param_info import FSDP_DIM, FSDP_PER_BLOCK, FSDP_SPLIT, ParamInfo, Split, record
 
 __all__ = ["FSDP_DIM", "FSDP_PER_BLOCK", "fsdp_axes", "fsdp_dim", "gather_block", "gather_for_step",
            "global_rows", "shard_over_data", "unshard_over_data", "whole_over_data"]
@@ -175,7 +175,8 @@ def shard_over_data(module: nnx.Module, *, per_block: tuple[nnx.Module, ...] = (
       continue
     dim, new[dim] = where
     var.set_value(jax.device_put(var[...], NamedSharding(mesh, P(*new))))
-    record(var, names=tuple(new), fsdp_dim=dim, fsdp_per_block=id(var) in in_blocks)
+    record(var, names=tuple(new), splits=info.with_split(Split(FSDP_SPLIT, dim)),
+           fsdp_per_block=id(var) in in_blocks)
   return kept
 
 
@@ -213,7 +214,7 @@ def whole_over_data(state: nnx.State, *, place: bool = True) -> nnx.State:
     if place:
       value = jax.device_put(value, NamedSharding(info.mesh, P(*names)))
     new = var.replace(value)
-    record(new, names=names, fsdp_dim=None, fsdp_per_block=None)
+    record(new, names=names, splits=info.without_split(FSDP_SPLIT), fsdp_per_block=None)
     return new
 
   return jax.tree.map(one, state, is_leaf=_is_var)
@@ -228,7 +229,7 @@ def unshard_over_data(module: nnx.Module) -> nnx.Module:
       continue
     names = _names_whole_over_data(info)
     var.set_value(jax.device_put(var[...], NamedSharding(info.mesh, P(*names))))
-    record(var, names=names, fsdp_dim=None, fsdp_per_block=None)
+    record(var, names=names, splits=info.without_split(FSDP_SPLIT), fsdp_per_block=None)
   return module
 
 

@@ -94,7 +94,7 @@ from flax_tp.layer import ParallelModule, map_mesh
 from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_parallel
 from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, MeshAxes, split_over
 from flax_tp.padding import masked
-from flax_tp.param_info import MESH_KEY, NAMES_KEY, keys_of
+from flax_tp.param_info import EXPERT_SPLIT, MESH_KEY, MODEL_SPLIT, NAMES_KEY, Split, keys_of
 from flax_tp.params import place, sharded_param
 from flax_tp.partition import ShardLayout
 from flax_tp.sequence import SequenceSplit
@@ -621,12 +621,12 @@ class MoE(ParallelModule):
     axes = self.expert_axes
     names[0] = axes[0] if len(axes) == 1 else axes if axes else None
     stored = self.expert_layout.pad(full, 0)
-    info = dict(expert_layout=self.expert_layout, expert_dim=0)
+    splits = (Split(EXPERT_SPLIT, 0, self.expert_layout),)
     if ffn_dim is not None:
       names[ffn_dim] = split_over(self.axis_name, self.ffn_layout.parts)
       stored = self.expert_layout.pad(self.ffn_layout.pad(full, ffn_dim), 0)
-      info.update(layout=self.ffn_layout, dim=ffn_dim)
-    meta = {NAMES_KEY: tuple(names), MESH_KEY: self.mesh, **keys_of(info)}
+      splits += (Split(MODEL_SPLIT, ffn_dim, self.ffn_layout),)
+    meta = {NAMES_KEY: tuple(names), MESH_KEY: self.mesh, **keys_of(dict(splits=splits))}
     return nnx.Param(place(stored, NamedSharding(self.mesh, P(*names))), **meta)
 
   # -- inside a map -------------------------------------------------------------

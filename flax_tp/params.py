@@ -19,7 +19,15 @@ from flax.nnx import variablelib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flax_tp.mesh import split_over
-from flax_tp.param_info import FLAX_TP_KEYS, MESH_KEY, NAMES_KEY, ParamInfo, keys_of
+from flax_tp.param_info import (
+  FLAX_TP_KEYS,
+  MESH_KEY,
+  MODEL_SPLIT,
+  NAMES_KEY,
+  ParamInfo,
+  Split,
+  keys_of,
+)
 from flax_tp.partition import ShardLayout
 
 Initializer = Callable[..., jax.Array]
@@ -99,7 +107,7 @@ def sharded_param(
   param_meta.update({NAMES_KEY: names, MESH_KEY: mesh})
   if dim is not None:
     layout = layout or ShardLayout(shape[dim], mesh.shape[axis_name], unit)
-    param_meta.update(keys_of(dict(layout=layout, dim=dim % len(shape))))
+    param_meta.update(keys_of(dict(splits=(Split(MODEL_SPLIT, dim % len(shape), layout),))))
     full = layout.pad(full, dim)
   return variable_type(place(full, NamedSharding(mesh, P(*names))), **param_meta)
 

@@ -74,10 +74,8 @@ def stack_layers(modules: Sequence[nnx.Module], first_layer: int | None = None) 
     names = (None,) + info.names
     var.set_value(_stacker(NamedSharding(info.mesh, P(*names)))(
         *[flat[path][...] for flat in flats]))
-    shifted = {field: getattr(info, field) + 1 for field in ("dim", "expert_dim")
-               if getattr(info, field) is not None}
-    record(var, names=names, layers=len(modules), layer_at=-len(path),
-           first_layer=first_layer, **shifted)
+    record(var, names=names, splits=tuple(s.shifted(1) for s in info.splits),
+           layers=len(modules), layer_at=-len(path), first_layer=first_layer)
   return modules[0]
 
 

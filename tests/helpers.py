@@ -82,8 +82,8 @@ def assert_padding_zero(module_or_state):
   checked = 0
   for path, var in nnx.to_flat_state(state):
     info = ParamInfo.of(var)
-    for layout, dim in ((info.layout, info.dim), (info.expert_layout, info.expert_dim)):
-      if layout is None or layout.is_even:
+    for layout, dim in ((split.layout, split.dim) for split in info.padded):
+      if layout.is_even:
         continue
       stored = np.asarray(var[...])
       pad = np.take(stored, np.flatnonzero(~layout.valid_mask()), axis=dim)

@@ -69,13 +69,7 @@ def slot_keys(key: str, leaf: Any) -> list[str | None] | None:
 
 def layout_of(leaf: Any) -> dict[int, ShardLayout]:
   """The layout of each padded dimension of ``leaf``'s stored array, by dimension."""
-  info = ParamInfo.of(leaf)
-  layouts = {}
-  if info.layout is not None:
-    layouts[info.dim] = info.layout
-  if info.expert_layout is not None:
-    layouts[info.expert_dim] = info.expert_layout
-  return layouts
+  return {split.dim: split.layout for split in ParamInfo.of(leaf).padded}
 
 
 def layer_layouts(layouts: dict[int, ShardLayout]) -> dict[int, ShardLayout]:
