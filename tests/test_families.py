@@ -702,6 +702,40 @@ def test_an_mxfp4_code_table_and_exponent_worked_by_hand():
     mxfp4_dequantized(blocks[..., :8], scales, "w")
 
 
+def test_a_family_declares_the_tensors_of_its_layers(monkeypatch):
+  """A family's attention and experts builders name its layers' tensors: DeepSeek-V3
+  declares its latent attention, GPT-OSS its fused experts, the others Llama's (fused as
+  Phi-3's where they say so); a builder swapped in a declaration is what ``tensor_names``
+  (which the loader, ``save_hf`` and PEFT read) then names, and a model whose attention the family cannot store is refused naming why."""
+  from models.families import FAMILIES, tensor_names
+  from models.families.tensors import (
+    attention_tensors,
+    expert_tensors,
+    gpt_oss_expert_tensors,
+    latent_attention_tensors,
+  )
+  assert FAMILIES["deepseek_v3"].attention is latent_attention_tensors
+  assert FAMILIES["gpt_oss"].experts is gpt_oss_expert_tensors
+  assert all(f.attention is attention_tensors for k, f in FAMILIES.items() if k != "deepseek_v3")
+  assert all(f.experts is expert_tensors for k, f in FAMILIES.items() if k != "gpt_oss")
+  names = lambda cfg: [t.name for t in tensor_names(cfg)]
+  assert "model.layers.0.self_attn.kv_b_proj.weight" in names(read_config(FIXTURES / "deepseek_v3"))
+  assert "model.layers.0.self_attn.qkv_proj.weight" in names(read_config(FIXTURES / "phi3"))
+  assert "model.layers.1.mlp.experts.gate_up_proj_bias" in names(read_config(FIXTURES / "gpt_oss"))
+  mixtral = read_config(FIXTURES / "mixtral")
+
+  def one_tensor(cfg, family, layer, at, experts_fused):
+    yield from ()
+
+  monkeypatch.setitem(FAMILIES, "mixtral", dataclasses.replace(FAMILIES["mixtral"],
+                                                               experts=one_tensor))
+  assert not any(".experts." in n or ".gate." in n for n in names(mixtral))
+  latent_llama = dataclasses.replace(read_config(FIXTURES / "deepseek_v3"), family=None,
+                                     num_experts=None, moe_layers=None)
+  with pytest.raises(HFConfigError, match="attention is latent .* which llama cannot hold"):
+    names(latent_llama)
+
+
 def test_latent_attention_is_written_only_as_deepseek_v3():
   """A model with latent attention has no other family's config; DeepSeek-V3's fields
   read back (the yarn score scale through mscale_all_dim, q without its latent)."""

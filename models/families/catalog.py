@@ -4,6 +4,7 @@ multi-token-prediction fields a loader needs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from models.config import TransformerConfig
@@ -12,6 +13,7 @@ from models.families.experts import MOE_FAMILIES
 from models.families.family import Family
 from models.families.fields import HFConfigError, read_flag, read_number, require
 from models.families.rope import rope_fields, rope_out
+from models.families.tensors import HFTensor, dense_mlp_tensors
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (*DENSE_FAMILIES, *MOE_FAMILIES)}
 SUPPORTED = tuple(FAMILIES)
@@ -159,3 +161,37 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
   return out
 
 
+
+
+def tensor_names(cfg: TransformerConfig, experts_fused: bool = False) -> Iterator[HFTensor]:
+  """Every tensor of ``cfg``'s HF checkpoint, in its family's names: the embedding; per
+  layer the family's attention tensors, the dense MLP or the family's experts (one tensor
+  per expert, or ``experts_fused`` as transformers 5 holds them), the norms the config
+  has; the final norm and an untied head."""
+  family = family_for(cfg)
+  yield HFTensor("model.embed_tokens.weight", (("embed", "embedding"),), False)
+  norms = ([("ln1", "input_layernorm"), ("ln_attn_out", "post_attention_layernorm"),
+            ("ln2", "pre_feedforward_layernorm"), ("ln_mlp_out", "post_feedforward_layernorm")]
+           if cfg.sandwich_norm else
+           [("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm")])
+  if not cfg.pre_norm:  # OLMo 2/3: only the norms after attention and the MLP
+    norms = [(ours, hf) for ours, hf in norms if ours not in ("ln1", "ln2")]
+  for i in range(cfg.num_layers):
+    layer = f"model.layers.{i}"
+    at = lambda *p, i=i: ("blocks", i, *p)
+    moe = cfg.is_moe_layer(i)
+    yield from family.attention(cfg, family, layer, at, experts_fused)
+    if not moe:
+      yield from dense_mlp_tensors(cfg, family, layer, at)
+    if cfg.qk_norm:
+      for ours in ("q_norm", "k_norm"):
+        yield HFTensor(f"{layer}.self_attn.{ours}.weight", (at("attn", ours, "scale"),), False)
+    if cfg.attn_sinks:
+      yield HFTensor(f"{layer}.self_attn.sinks", (at("attn", "sinks"),), False)
+    if moe:
+      yield from family.experts(cfg, family, layer, at, experts_fused)
+    for ours, hf in norms:
+      yield HFTensor(f"{layer}.{hf}.weight", (at(ours, "scale"),), False)
+  yield HFTensor("model.norm.weight", (("ln_f", "scale"),), False)
+  if not cfg.tie_embeddings:
+    yield HFTensor("lm_head.weight", (("head", "kernel"),), True)

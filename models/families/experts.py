@@ -30,6 +30,7 @@ from models.families.fields import (
   window_fields,
 )
 from models.families.rope import rope_dict, scaling_out
+from models.families.tensors import gpt_oss_expert_tensors, latent_attention_tensors
 
 
 def _experts(hf: dict[str, Any], shared: dict[str, Any], *, count: tuple[str, ...],
@@ -330,6 +331,8 @@ MOE_FAMILIES = (
            mtp_fields=("num_nextn_predict_layers", "num_mtp_layers")),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", _deepseek_v3_read, _deepseek_v3_write,
            moe_prefix="mlp", shared_expert="shared_experts",
-           mtp_fields=("num_nextn_predict_layers", "num_mtp_layers")),
-    Family("gpt_oss", "GptOssForCausalLM", _gpt_oss_read, _gpt_oss_write, moe_prefix="mlp"),
+           mtp_fields=("num_nextn_predict_layers", "num_mtp_layers"),
+           attention=latent_attention_tensors),
+    Family("gpt_oss", "GptOssForCausalLM", _gpt_oss_read, _gpt_oss_write, moe_prefix="mlp",
+           experts=gpt_oss_expert_tensors),
 )

@@ -1,5 +1,5 @@
 """``Family``: what one HF family declares (its names, how its config is read and
-written, which tensors it fuses, where its experts live)."""
+written, the tensors its layers store and which it fuses, where its experts live)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from models.config import TransformerConfig
+from models.families.tensors import TensorBuilder, attention_tensors, expert_tensors
 
 # -- the families ----------------------------------------------------------------------------
 
@@ -20,6 +21,9 @@ class Family:
   read: config.json -> ``TransformerConfig`` fields that override the shared ones.
   write: config -> config.json fields beyond the shared ones (``HFConfigError`` for a
   config the family cannot represent).
+  attention, experts: the builders of a layer's attention tensors and of a MoE layer's
+  router and experts (``tensors.TensorBuilder``; Llama's and the per-expert layout unless
+  the family stores its own: DeepSeek-V3's latent attention, GPT-OSS's experts).
   """
 
   model_type: str
@@ -37,6 +41,8 @@ class Family:
   # config.json fields that count them; DeepSeek-V3, GLM-4.5): not run by a causal LM
   # (transformers ignores them too), skipped by name on load with a warning.
   mtp_fields: tuple[str, ...] = ()
+  attention: TensorBuilder = attention_tensors
+  experts: TensorBuilder = expert_tensors
 
   @property
   def name(self) -> str | None:

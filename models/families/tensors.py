@@ -1,6 +1,9 @@
-"""Each HF tensor of a config's checkpoint and the flax_tp params it holds
-(``tensor_names``): Llama's names with the norms, biases, fused and per-expert tensors a
-family adds."""
+"""The HF tensors of a checkpoint and the flax_tp params each holds (``HFTensor``), and
+the builders a family declares for its layers' tensors (``Family.attention``,
+``Family.experts``): Llama's attention (fused as Phi-3's when the family says so),
+DeepSeek-V3's latent attention, a mixture of experts' router and experts per expert or
+fused, GPT-OSS's biased experts. ``catalog.tensor_names`` puts a config's together with
+the tensors every family shares (embedding, norms, the dense MLP, the head)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from models.config import TransformerConfig
-from models.families.catalog import family_for
-from models.families.family import Family
+from models.families.fields import HFConfigError
+
+# A builder of one layer's tensors of one part (attention, experts): (config, the
+# ``Family`` declaring it (family.py imports this module, so it is typed ``Any`` here),
+# the layer's HF prefix ``model.layers.{i}``, ``at(*path)`` -> the flax_tp param path in
+# that layer, experts_fused) -> its tensors.
+Family = Any
+TensorBuilder = Callable[[TransformerConfig, Family, str, Callable, bool], Iterator["HFTensor"]]
 
 # -- tensor names ----------------------------------------------------------------------------
 
@@ -51,8 +60,8 @@ _ATTENTION = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_
 _MLP_IN = (("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"))
 
 
-def _moe_tensors(cfg: TransformerConfig, family: Family, layer: str, at: Callable,
-                 experts_fused: bool) -> Iterator[HFTensor]:
+def expert_tensors(cfg: TransformerConfig, family: Family, layer: str, at: Callable,
+                   experts_fused: bool) -> Iterator[HFTensor]:
   """A MoE layer's tensors: the router, the experts (one tensor per expert and weight,
   as ``save_pretrained`` writes them; or ``experts_fused``, transformers 5's in-memory
   ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` under ``mlp``), and a shared
@@ -81,10 +90,11 @@ def _moe_tensors(cfg: TransformerConfig, family: Family, layer: str, at: Callabl
                      (at("mlp", "shared_expert_gate"),), True)
 
 
-def _gpt_oss_experts(cfg: TransformerConfig, layer: str, at: Callable) -> Iterator[HFTensor]:
+def gpt_oss_expert_tensors(cfg: TransformerConfig, family: Family, layer: str, at: Callable,
+                           experts_fused: bool) -> Iterator[HFTensor]:
   """GPT-OSS's MoE tensors: the router's weight ``[E, H]`` and bias, the experts fused as
-  transformers writes them, gate and up interleaved along gate_up's last dim (``rows``
-  takes the even columns, then the odd)."""
+  transformers writes them (on disk and in memory alike), gate and up interleaved along
+  gate_up's last dim (``rows`` takes the even columns, then the odd)."""
   width = cfg.expert_width
   split = tuple(range(0, 2 * width, 2)) + tuple(range(1, 2 * width, 2))
   yield HFTensor(f"{layer}.mlp.router.weight", (at("mlp", "router"),), True)
@@ -107,11 +117,14 @@ def _deinterleaved(width: int, rope: int, blocks: int) -> tuple[int, ...]:
   return tuple(b * width + r for b in range(blocks) for r in block)
 
 
-def _latent_attention_tensors(cfg: TransformerConfig, layer: str,
-                              at: Callable) -> Iterator[HFTensor]:
+def latent_attention_tensors(cfg: TransformerConfig, family: Family, layer: str,
+                             at: Callable, experts_fused: bool) -> Iterator[HFTensor]:
   """DeepSeek-V3's attention tensors (``models.transformer.LatentAttention``); with
   ``rope_interleave`` the rotary rows of q (each head's last ``qk_rope_head_dim``) and of
   kv_a (its last) are permuted to the half-split layout flax_tp holds."""
+  if not cfg.latent_attention:
+    raise HFConfigError(f"{family.model_type}'s attention is latent (kv_lora_rank); this "
+                        "model's is not")
   rope = cfg.qk_rope_head_dim
   q_rows = kv_rows = None
   if cfg.rope_interleave:
@@ -139,60 +152,42 @@ def _latent_attention_tensors(cfg: TransformerConfig, layer: str,
     yield HFTensor(f"{attn}.o_proj.bias", (at("attn", "o", "bias"),), False)
 
 
-def tensor_names(cfg: TransformerConfig, experts_fused: bool = False) -> Iterator[HFTensor]:
-  """Every tensor of ``cfg``'s HF checkpoint, in its family's names (a MoE family's
-  experts one per tensor, or ``experts_fused`` as transformers 5 holds them)."""
-  family = family_for(cfg)
-  fused = family.fused
-  yield HFTensor("model.embed_tokens.weight", (("embed", "embedding"),), False)
-  q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-  norms = ([("ln1", "input_layernorm"), ("ln_attn_out", "post_attention_layernorm"),
-            ("ln2", "pre_feedforward_layernorm"), ("ln_mlp_out", "post_feedforward_layernorm")]
-           if cfg.sandwich_norm else
-           [("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm")])
-  if not cfg.pre_norm:  # OLMo 2/3: only the norms after attention and the MLP
-    norms = [(ours, hf) for ours, hf in norms if ours not in ("ln1", "ln2")]
-  for i in range(cfg.num_layers):
-    layer = f"model.layers.{i}"
-    at = lambda *p, i=i: ("blocks", i, *p)
-    groups = []  # (our names, HF name, group, bias, row sizes when fused)
-    if cfg.latent_attention:
-      yield from _latent_attention_tensors(cfg, layer, at)
-    elif fused:
-      groups.append((("q", "k", "v"), "self_attn.qkv_proj", "attn", cfg.qkv_bias,
-                     (q_rows, kv_rows, kv_rows)))
+def attention_tensors(cfg: TransformerConfig, family: Family, layer: str, at: Callable,
+                      experts_fused: bool) -> Iterator[HFTensor]:
+  """Llama's attention tensors: q, k, v and o with the biases the config has; q/k/v as one
+  ``qkv_proj`` (rows q, k, v) where the family stores them fused (Phi-3)."""
+  if cfg.latent_attention:
+    raise HFConfigError(f"this model's attention is latent (kv_lora_rank), which "
+                        f"{family.model_type} cannot hold (deepseek_v3 does)")
+  attn = f"{layer}.self_attn"
+  if family.fused:
+    yield from _linear(f"{attn}.qkv_proj", [at("attn", n) for n in ("q", "k", "v")],
+                       cfg.qkv_bias, (cfg.num_heads * cfg.head_dim,
+                                      cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim))
+  else:
+    for ours, hf in _ATTENTION:
+      yield from _linear(f"{layer}.{hf}", [at("attn", ours)], cfg.qkv_bias)
+  yield from _linear(f"{attn}.o_proj", [at("attn", "o")], cfg.attn_out_bias)
+
+
+def dense_mlp_tensors(cfg: TransformerConfig, family: Family, layer: str,
+                      at: Callable) -> Iterator[HFTensor]:
+  """A dense layer's MLP: gate and up (one ``gate_up_proj`` where the family fuses them)
+  for a gated MLP, and down, with the biases the config has."""
+  if cfg.mlp in ("swiglu", "geglu"):
+    if family.fused:
+      yield from _linear(f"{layer}.mlp.gate_up_proj", [at("mlp", "gate"), at("mlp", "up")],
+                         cfg.mlp_bias, (cfg.d_ff, cfg.d_ff))
     else:
-      groups += [((ours,), hf, "attn", cfg.qkv_bias, None) for ours, hf in _ATTENTION]
-    if not cfg.latent_attention:
-      groups.append((("o",), "self_attn.o_proj", "attn", cfg.attn_out_bias, None))
-    moe = cfg.is_moe_layer(i)
-    if moe:
-      pass  # (its tensors follow the attention's)
-    elif cfg.mlp in ("swiglu", "geglu"):
-      if fused:
-        groups.append((("gate", "up"), "mlp.gate_up_proj", "mlp", cfg.mlp_bias,
-                       (cfg.d_ff, cfg.d_ff)))
-      else:
-        groups += [((ours,), hf, "mlp", cfg.mlp_bias, None) for ours, hf in _MLP_IN]
-    if not moe:
-      groups.append((("down",), "mlp.down_proj", "mlp", cfg.mlp_bias, None))
-    for ours, hf, group, bias, sizes in groups:
-      yield HFTensor(f"{layer}.{hf}.weight", tuple(at(group, n, "kernel") for n in ours), True,
-                     sizes)
-      if bias:
-        yield HFTensor(f"{layer}.{hf}.bias", tuple(at(group, n, "bias") for n in ours), False,
-                       sizes)
-    if cfg.qk_norm:
-      for ours in ("q_norm", "k_norm"):
-        yield HFTensor(f"{layer}.self_attn.{ours}.weight", (at("attn", ours, "scale"),), False)
-    if cfg.attn_sinks:
-      yield HFTensor(f"{layer}.self_attn.sinks", (at("attn", "sinks"),), False)
-    if moe and family.model_type == "gpt_oss":
-      yield from _gpt_oss_experts(cfg, layer, at)
-    elif moe:
-      yield from _moe_tensors(cfg, family, layer, at, experts_fused)
-    for ours, hf in norms:
-      yield HFTensor(f"{layer}.{hf}.weight", (at(ours, "scale"),), False)
-  yield HFTensor("model.norm.weight", (("ln_f", "scale"),), False)
-  if not cfg.tie_embeddings:
-    yield HFTensor("lm_head.weight", (("head", "kernel"),), True)
+      for ours, hf in _MLP_IN:
+        yield from _linear(f"{layer}.{hf}", [at("mlp", ours)], cfg.mlp_bias)
+  yield from _linear(f"{layer}.mlp.down_proj", [at("mlp", "down")], cfg.mlp_bias)
+
+
+def _linear(name: str, modules: list[tuple], bias: bool,
+            sizes: tuple[int, ...] | None = None) -> Iterator[HFTensor]:
+  """A linear layer's ``weight`` (and ``bias``): the kernels of ``modules`` (their flax_tp
+  paths), fused along the rows with ``sizes`` rows each when there are several."""
+  yield HFTensor(f"{name}.weight", tuple((*m, "kernel") for m in modules), True, sizes)
+  if bias:
+    yield HFTensor(f"{name}.bias", tuple((*m, "bias") for m in modules), False, sizes)
