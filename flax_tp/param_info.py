@@ -87,6 +87,11 @@ class Split:
     return dataclasses.replace(self, dim=self.dim + by)
 
 
+def _one_kind(kind: str, field: str, doc: str) -> property:
+  """A ``ParamInfo`` property: ``field`` of its split of ``kind``, None without one."""
+  return property(lambda info: getattr(info.split(kind), field, None), doc=doc)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
   """What flax_tp knows of one param (all fields None/empty on a plain param)."""
@@ -126,29 +131,12 @@ class ParamInfo:
   def without_split(self, kind: str) -> tuple[Split, ...]:
     return tuple(s for s in self.splits if s.kind != kind)
 
-  # One kind's dim and layout, for the code that deals with that kind alone.
-  @property
-  def layout(self) -> ShardLayout | None:
-    """The layout of the dim split over "model" (tensor parallelism)."""
-    return getattr(self.split(MODEL_SPLIT), "layout", None)
-
-  @property
-  def dim(self) -> int | None:
-    return getattr(self.split(MODEL_SPLIT), "dim", None)
-
-  @property
-  def expert_layout(self) -> ShardLayout | None:
-    """The layout of the experts' dim (expert parallelism)."""
-    return getattr(self.split(EXPERT_SPLIT), "layout", None)
-
-  @property
-  def expert_dim(self) -> int | None:
-    return getattr(self.split(EXPERT_SPLIT), "dim", None)
-
-  @property
-  def fsdp_dim(self) -> int | None:
-    """The dim FSDP splits over "data" too."""
-    return getattr(self.split(FSDP_SPLIT), "dim", None)
+  # One kind's dim and layout (None without that split), for code about that kind alone.
+  layout = _one_kind(MODEL_SPLIT, "layout", "The layout of the dim split over \"model\".")
+  dim = _one_kind(MODEL_SPLIT, "dim", "The dim split over \"model\" (tensor parallelism).")
+  expert_layout = _one_kind(EXPERT_SPLIT, "layout", "The layout of the experts' dim.")
+  expert_dim = _one_kind(EXPERT_SPLIT, "dim", "The experts' dim (expert parallelism).")
+  fsdp_dim = _one_kind(FSDP_SPLIT, "dim", "The dim FSDP splits over \"data\" too.")
 
   @property
   def padded(self) -> tuple[Split, ...]:
