@@ -35,6 +35,12 @@ def test_param_paths():
   _equal("param_paths", GOLDEN["structure"]["param_paths"], record.param_paths())
 
 
+def test_config_identities():
+  """Nesting TransformerConfig's fields into records (issue 38) left every identity a
+  checkpoint records as it was: recorded by the flat dataclass before the change."""
+  _equal("identities", GOLDEN["structure"]["identities"], record.identities())
+
+
 def test_save_hf_bytes():
   _same_machine()
   _equal("save_hf", GOLDEN["numerics"]["save_hf"], record.save_hf_bytes())

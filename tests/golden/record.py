@@ -6,7 +6,8 @@
                                                   # after a change meant to move it
 
 ``structure()`` is what the code decides (param paths, the compiled train step's
-collectives, ``--help`` of every entry point): the same on any machine.
+collectives, ``--help`` of every entry point, the configs' identities): the same on
+any machine.
 ``numerics()`` is what the code computes (a seeded model's ``save_hf`` bytes, the
 metrics and checkpoint files of two six-step runs): the same on the same kind of
 CPU; XLA:CPU compiles for the host's instruction set, so another CPU may round
@@ -110,8 +111,23 @@ def param_paths() -> dict[str, list[str]]:
   return out
 
 
+def identities() -> dict[str, dict]:
+  """Every preset's and every HF fixture's ``TransformerConfig.identity()``: the keys and
+  values a checkpoint records, which a run written before must still match to resume."""
+  from models.config import TransformerConfig
+  from models.families import config_from_hf
+
+  out = {f"preset:{name}": TransformerConfig.preset(name).identity()
+         for name in TransformerConfig.preset_names()}
+  for path in sorted((ROOT / "tests" / "fixtures").rglob("config.json")):
+    hf = json.loads(path.read_text())
+    out[f"hf:{path.relative_to(ROOT)}"] = config_from_hf(hf).identity()
+  return out
+
+
 def structure() -> dict:
-  return {"help": help_texts(), "param_paths": param_paths(), "step_tallies": step_tallies()}
+  return {"help": help_texts(), "param_paths": param_paths(), "step_tallies": step_tallies(),
+          "identities": identities()}
 
 
 def _sha256(path: Path) -> str:
@@ -177,7 +193,7 @@ if __name__ == "__main__":
   sys.path.insert(0, str(ROOT))
   if "--update" in sys.argv:  # one intended change (e.g. a new preset in --help)
     section = sys.argv[sys.argv.index("--update") + 1]
-    sections = {"help": help_texts}
+    sections = {"help": help_texts, "identities": identities}
     if section not in sections:
       sys.exit(f"--update: expected one of {tuple(sections)}, got {section!r}")
     golden = json.loads(GOLDEN.read_text())
