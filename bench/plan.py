@@ -106,7 +106,7 @@ def main(argv=None) -> int:
   tokens_host = peers.tokens_for(cfg, args.batch_size, args.seq_len)
   results = {"command": "python -m bench.plan " + " ".join(
                  argv if argv is not None else sys.argv[1:]),
-             "jax": jax.__version__, "config": cfg.__dict__, "meshes": {}}
+             "jax": jax.__version__, "config": cfg.flat(), "meshes": {}}
   for spec in specs:
     mesh = flax_tp.make_mesh(spec)
     batch = P("data" if mesh.shape["data"] > 1 else None)

@@ -14,6 +14,7 @@ contenders measured in the same run. Writes ``bench/results.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
       "machine": {"cores": os.cpu_count(), "platform": platform_name,
                   "devices": jax.device_count(), "jax": jax.__version__,
                   "python": platform.python_version(), "processor": platform.machine()},
-      "config": {**cfg.__dict__, "batch_size": args.batch_size, "seq_len": args.seq_len},
+      "config": {**cfg.flat(), "batch_size": args.batch_size, "seq_len": args.seq_len},
   }
   rows: list[tuple[str, str, str]] = []  # (section, what, figure) for the table
 
@@ -367,8 +368,8 @@ def scaling_report(preset: str, tx, log) -> list[dict[str, Any]]:
                                      ("batch x4", (64, 64, 128)), ("seq x2", (16, 128, 128)),
                                      ("seq x4", (16, 256, 128)), ("width x2", (16, 64, 256)),
                                      ("width x4", (16, 64, 512))]:
-    cfg = type(base)(**{**base.__dict__, "d_model": width, "head_dim": width // 8,
-                        "d_ff": 4 * width, "num_layers": 2})
+    cfg = dataclasses.replace(base, d_model=width, head_dim=width // 8, d_ff=4 * width,
+                              num_layers=2)
     tokens = np.asarray(peers.tokens_for(cfg, batch, seq))
     _, mine, _ = flax_tp_contender(cfg, mesh, tokens, tx)
     audit = audit_step(cfg, mesh, mine.compiled, mine.state[0], batch, seq)

@@ -1,4 +1,6 @@
-"""The transformer's configuration: one frozen dataclass, presets as classmethods."""
+"""The transformer's configuration: a frozen dataclass of the skeleton's fields and one
+record per part (attention, rope, FFN, experts), read and built by flat names too;
+presets as classmethods."""
 
 from __future__ import annotations
 
@@ -57,88 +59,20 @@ class RopeScaling:
       raise ValueError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor > 0, got "
                        f"{self.high_freq_factor!r} and {self.low_freq_factor!r}")
 
+# -- The parts of a model, each a record of its own. A TransformerConfig holds one of
+# each (``attention``, ``rope``, ``ffn``; ``experts`` only with mixture-of-experts
+# layers). Their checks that involve other parts live in TransformerConfig, which
+# checks the whole; a record alone holds values, nothing more.
+
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-  """A decoder-only, pre-norm transformer with rotary positions.
+class LatentAttention:
+  """DeepSeek-V3's multi-head latent attention (``models.transformer.LatentAttention``).
 
-  One family, two styles: GPT-like (``norm="layernorm"``, ``mlp="gelu"``, biases
-  everywhere, today's default) and Llama/Qwen2-like (``norm="rmsnorm"``,
-  ``mlp="swiglu"``, ``num_kv_heads`` < ``num_heads`` for grouped-query
-  attention, biases off, or on q/k/v only for Qwen2).
-
-  Shapes in the code use: b batch, s sequence, d ``d_model``, h heads,
-  k ``head_dim``, f ``d_ff``, v ``vocab_size``. Neither ``num_heads``, ``d_ff``
-  nor ``vocab_size`` need divide the model axis: flax_tp pads the shards.
+  The attention's ``head_dim`` is then a q/k head's width (qk_nope + ``qk_rope_head_dim``)
+  and it has no ``num_kv_heads``: every head has its own k and v, expanded from a latent.
   """
 
-  vocab_size: int = BYTE_VOCAB
-  d_model: int = 128
-  num_heads: int = 4
-  head_dim: int = 32
-  d_ff: int = 512
-  num_layers: int = 4
-  max_seq_len: int = 128
-  tie_embeddings: bool = True  # LM head = embedding.attend; else its own weight
-  dropout: float = 0.0  # embedding, attention probabilities, both residual branches
-  dtype: str = "float32"  # compute dtype; params stay float32
-  rope_base: float = 10_000.0  # HF's rope_theta
-  norm_eps: float = 1e-5
-  norm: str = "layernorm"  # or "rmsnorm"
-  mlp: str = "gelu"  # or "swiglu": down(silu(gate(x)) * up(x))
-  num_kv_heads: int | None = None  # None: num_heads (multi-head attention)
-  qkv_bias: bool = True
-  attn_out_bias: bool = True
-  mlp_bias: bool = True
-  # -- what the families beyond Llama/Qwen2 need (models/families/). At their
-  # defaults they leave identity() as it was before they existed.
-  rope_scaling: RopeScaling | None = None  # on full-attention layers (all layers without
-  # rope_local_base)
-  rotary_fraction: float = 1.0  # HF's partial_rotary_factor: rotary on the first
-  # int(head_dim * fraction) dims of a head, the rest passes through
-  rope_local_base: float | None = None  # sliding layers' own plain-rotary base (Gemma 3)
-  qk_norm: bool = False  # per-head norm of q and k over head_dim, before rotary (Qwen3,
-  # Gemma 3), of the kind ``norm`` names
-  qk_norm_span: str = "head"  # what a qk_norm spans: "head" (each head over head_dim) or
-  # "projection" (all of q's heads, all of k's: OLMo 2/3; an RMSNorm split over "model",
-  # flax_tp.SplitRMSNorm)
-  layer_types: tuple[str, ...] | None = None  # per layer FULL or SLIDING; None: all FULL
-  sliding_window: int | None = None  # a SLIDING layer's query sees its last this many keys
-  embed_scale: bool = False  # embeddings times sqrt(d_model), in the compute dtype (Gemma)
-  attn_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
-  attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
-  final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2, 3)
-  sandwich_norm: bool = False  # a norm after attention and after the MLP too, before
-  # each residual add (Gemma 2, 3: four norms per block)
-  pre_norm: bool = True  # the norms before attention and before the MLP; False with
-  # sandwich_norm: only the norms after them (OLMo 2/3)
-  family: str | None = None  # the HF family it reads from / writes as (models/families/);
-  # None: Llama, or Qwen2 where only q/k/v have biases
-  # -- mixture of experts (flax_tp.MoE; Mixtral, Qwen2-MoE, Qwen3-MoE). None: dense.
-  num_experts: int | None = None  # routed SwiGLU experts in each MoE layer
-  experts_per_token: int = 2  # top-k
-  expert_d_ff: int | None = None  # each expert's FFN width; None: d_ff
-  shared_expert_d_ff: int | None = None  # a shared expert with its sigmoid gate (Qwen2-MoE)
-  normalize_top_k: bool = True  # top-k weights renormalised to sum to 1 (HF norm_topk_prob)
-  moe_layers: tuple[int, ...] | None = None  # the layers that are MoE (the rest dense, of
-  # width d_ff); None: all of them
-  router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in training
-  expert_capacity_factor: float | None = None  # None: dropless; else each expert takes
-  # ceil(factor * tokens * top_k / num_experts) of a step's choices (flax_tp.MoE)
-  expert_drop_policy: str = "probs"  # which choices a full expert keeps: "probs" (the
-  # largest routing weights) or "position" (the earliest tokens)
-  # -- the router as a declaration (flax_tp.moe.Router; DeepSeek-V3, GLM-4.5)
-  router_score: str = "softmax"  # or "sigmoid": each expert's score on its own
-  router_selection_bias: bool = False  # a float32 bias added to the scores to pick experts
-  # only (HF's e_score_correction_bias; flax_tp.SelectionBias, not trained by the optimizer)
-  expert_groups: int = 1  # HF's n_group: experts in equal groups, ranked by their best two
-  expert_groups_per_token: int = 1  # HF's topk_group: the groups a token picks from
-  routed_scale: float = 1.0  # HF's routed_scaling_factor: the routed output's weights x this
-  shared_expert_gated: bool = True  # the shared expert's sigmoid gate (Qwen2-MoE); False:
-  # added as is (DeepSeek-V3, GLM-4.5's n_shared_experts x moe_intermediate_size)
-  # -- multi-head latent attention (DeepSeek-V3's MLA: models.transformer.LatentAttention).
-  # With kv_lora_rank set, head_dim is a q/k head's width (qk_nope + qk_rope_head_dim)
-  # and num_kv_heads must be None: every head has its own k and v, expanded from a latent.
   kv_lora_rank: int | None = None  # the kv latent's width (kv_a_proj_with_mqa's, normed)
   q_lora_rank: int | None = None  # q's own latent (q_a_proj -> norm -> q_b_proj); None:
   # one q projection
@@ -148,19 +82,263 @@ class TransformerConfig:
   rope_interleave: bool = False  # how a checkpoint stores the rotary rows of q and k:
   # interleaved pairs (DeepSeek's; permuted on load and back on save) or half-split. The
   # computation is the same: flax_tp's params hold them half-split.
-  # -- GPT-OSS
-  attn_sinks: bool = False  # a learned logit per head in each row's softmax denominator,
-  # taking no value (attention sinks; models.attention.AttentionSpec.sinks)
-  router_bias: bool = False  # a trained bias on the router's logits (it weighs and picks)
-  expert_bias: bool = False  # biases on each expert's gate, up and down matmuls
-  swiglu_limit: float | None = None  # None: experts' silu(gate) * up; else GPT-OSS's
-  # clamped form (flax_tp.moe.SwiGLU): gate <= limit, |up| <= limit, (up + 1) * gate *
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+  """What a block's attention is: its heads, biases, norms, windows and scores."""
+
+  num_heads: int = 4
+  head_dim: int = 32
+  num_kv_heads: int | None = None  # None: num_heads (multi-head attention)
+  qkv_bias: bool = True
+  out_bias: bool = True  # the output projection's
+  qk_norm: bool = False  # a norm of q and k before rotary (Qwen3, Gemma 3), of the kind
+  # the config's ``norm`` names
+  qk_norm_span: str = "head"  # what a qk_norm spans: "head" (each head over head_dim) or
+  # "projection" (all of q's heads, all of k's: OLMo 2/3; an RMSNorm split over "model",
+  # flax_tp.SplitRMSNorm)
+  layer_types: tuple[str, ...] | None = None  # per layer FULL or SLIDING; None: all FULL
+  sliding_window: int | None = None  # a SLIDING layer's query sees its last this many keys
+  scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
+  softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+  sinks: bool = False  # a learned logit per head in each row's softmax denominator,
+  # taking no value (GPT-OSS's attention sinks; models.attention.AttentionSpec.sinks)
+  latent: LatentAttention | None = None  # DeepSeek-V3's MLA; None: q, k, v projections
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  """Rotary positions: their base, a rescaling for long contexts, how much of a head
+  rotates, and sliding layers' own base."""
+
+  base: float = 10_000.0  # HF's rope_theta
+  scaling: RopeScaling | None = None  # on full-attention layers (all layers without
+  # local_base)
+  fraction: float = 1.0  # HF's partial_rotary_factor: rotary on the first
+  # int(head_dim * fraction) dims of a head, the rest passes through
+  local_base: float | None = None  # sliding layers' own plain-rotary base (Gemma 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class FFN:
+  """A dense block's MLP (and the width an expert takes when it names none)."""
+
+  kind: str = "gelu"  # or "swiglu": down(silu(gate(x)) * up(x)), or "geglu"
+  d_ff: int = 512
+  bias: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+  """How a token picks its experts and weighs them (``flax_tp.moe.Router``)."""
+
+  score: str = "softmax"  # or "sigmoid": each expert's score on its own
+  normalize_top_k: bool = True  # top-k weights renormalised to sum to 1 (HF norm_topk_prob)
+  selection_bias: bool = False  # a float32 bias added to the scores to pick experts only
+  # (HF's e_score_correction_bias; flax_tp.SelectionBias, not trained by the optimizer)
+  groups: int = 1  # HF's n_group: experts in equal groups, ranked by their best two
+  groups_per_token: int = 1  # HF's topk_group: the groups a token picks from
+  routed_scale: float = 1.0  # HF's routed_scaling_factor: the routed output's weights x this
+  bias: bool = False  # a trained bias on the router's logits (GPT-OSS: it weighs and picks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+  """Mixture-of-experts layers (``flax_tp.MoE``; Mixtral, Qwen-MoE, DeepSeek-V3, GLM-4.5,
+  GPT-OSS): routed SwiGLU experts, a router, an optional shared expert."""
+
+  num_experts: int | None = None  # routed experts in each MoE layer (required)
+  per_token: int = 2  # top-k
+  d_ff: int | None = None  # each expert's FFN width; None: the dense FFN's d_ff
+  shared_d_ff: int | None = None  # a shared expert's width; None: no shared expert
+  shared_gated: bool = True  # the shared expert's sigmoid gate (Qwen2-MoE); False: added
+  # as is (DeepSeek-V3, GLM-4.5's n_shared_experts x moe_intermediate_size)
+  layers: tuple[int, ...] | None = None  # the layers that are MoE (the rest dense, of the
+  # FFN's width); None: all of them
+  aux_loss_coef: float = 0.0  # the load-balancing loss's weight in training
+  capacity_factor: float | None = None  # None: dropless; else each expert takes
+  # ceil(factor * tokens * top_k / num_experts) of a step's choices (flax_tp.MoE)
+  drop_policy: str = "probs"  # which choices a full expert keeps: "probs" (the largest
+  # routing weights) or "position" (the earliest tokens)
+  bias: bool = False  # biases on each expert's gate, up and down matmuls (GPT-OSS)
+  swiglu_limit: float | None = None  # None: silu(gate) * up; else GPT-OSS's clamped form
+  # (flax_tp.moe.SwiGLU): gate <= limit, |up| <= limit, (up + 1) * gate *
   # sigmoid(swiglu_alpha * gate)
   swiglu_alpha: float = 1.702
-  # How a step runs (sequence parallelism, remat, scanned layers, FSDP) is not here:
-  # see models.execution.Execution.
+  router: Router = Router()
+
+
+# Every field under its flat name (the name a checkpoint's identity, an HF config reader,
+# a preset and TransformerConfig(...) use) -> where it lives: () a TransformerConfig
+# field of the same name; else the path of record fields. In the order identity() writes.
+FLAT_FIELDS: dict[str, tuple[str, ...]] = {
+    "vocab_size": (), "d_model": (), "num_heads": ("attention", "num_heads"),
+    "head_dim": ("attention", "head_dim"), "d_ff": ("ffn", "d_ff"), "num_layers": (),
+    "max_seq_len": (), "tie_embeddings": (), "dropout": (), "dtype": (),
+    "rope_base": ("rope", "base"), "norm_eps": (), "norm": (), "mlp": ("ffn", "kind"),
+    "num_kv_heads": ("attention", "num_kv_heads"), "qkv_bias": ("attention", "qkv_bias"),
+    "attn_out_bias": ("attention", "out_bias"), "mlp_bias": ("ffn", "bias"),
+    "rope_scaling": ("rope", "scaling"), "rotary_fraction": ("rope", "fraction"),
+    "rope_local_base": ("rope", "local_base"), "qk_norm": ("attention", "qk_norm"),
+    "qk_norm_span": ("attention", "qk_norm_span"),
+    "layer_types": ("attention", "layer_types"),
+    "sliding_window": ("attention", "sliding_window"), "embed_scale": (),
+    "attn_scale": ("attention", "scale"), "attn_softcap": ("attention", "softcap"),
+    "final_softcap": (), "sandwich_norm": (), "pre_norm": (), "family": (),
+    "num_experts": ("experts", "num_experts"), "experts_per_token": ("experts", "per_token"),
+    "expert_d_ff": ("experts", "d_ff"), "shared_expert_d_ff": ("experts", "shared_d_ff"),
+    "normalize_top_k": ("experts", "router", "normalize_top_k"),
+    "moe_layers": ("experts", "layers"), "router_aux_loss_coef": ("experts", "aux_loss_coef"),
+    "expert_capacity_factor": ("experts", "capacity_factor"),
+    "expert_drop_policy": ("experts", "drop_policy"),
+    "router_score": ("experts", "router", "score"),
+    "router_selection_bias": ("experts", "router", "selection_bias"),
+    "expert_groups": ("experts", "router", "groups"),
+    "expert_groups_per_token": ("experts", "router", "groups_per_token"),
+    "routed_scale": ("experts", "router", "routed_scale"),
+    "shared_expert_gated": ("experts", "shared_gated"),
+    "kv_lora_rank": ("attention", "latent", "kv_lora_rank"),
+    "q_lora_rank": ("attention", "latent", "q_lora_rank"),
+    "qk_rope_head_dim": ("attention", "latent", "qk_rope_head_dim"),
+    "v_head_dim": ("attention", "latent", "v_head_dim"),
+    "rope_interleave": ("attention", "latent", "rope_interleave"),
+    "attn_sinks": ("attention", "sinks"), "router_bias": ("experts", "router", "bias"),
+    "expert_bias": ("experts", "bias"), "swiglu_limit": ("experts", "swiglu_limit"),
+    "swiglu_alpha": ("experts", "swiglu_alpha"),
+}
+# The fields every identity writes: the first TransformerConfig's, before the families.
+# Every field added since is left out of an identity at its default, so a run written
+# before it existed keeps its identity: adding a field is one FLAT_FIELDS entry.
+FIRST_FIELDS = frozenset((
+    "vocab_size", "d_model", "num_heads", "head_dim", "d_ff", "num_layers", "max_seq_len",
+    "tie_embeddings", "dropout", "dtype", "rope_base", "norm_eps", "norm", "mlp",
+    "num_kv_heads", "qkv_bias", "attn_out_bias", "mlp_bias"))
+# The record class each step of a path names; the optional records (None when absent)
+# and the flat field whose value turns each on (or, set to None, off).
+_RECORDS = {"attention": Attention, "latent": LatentAttention, "rope": Rope, "ffn": FFN,
+            "experts": Experts, "router": Router}
+_TURNED_ON_BY = {"latent": "kv_lora_rank", "experts": "num_experts"}
+_TURNS_ON = frozenset(("kv_lora_rank", "num_experts"))
+_OPTIONAL_WHAT = {"latent": "multi-head latent attention", "experts": "mixture-of-experts layers"}
+
+
+def _default_of(path: tuple[str, ...]):
+  """The default of the field at ``path``: a TransformerConfig field's, or its record's."""
+  owner = TransformerConfig if len(path) == 1 else _RECORDS[path[-2]]
+  return next(f.default for f in dataclasses.fields(owner) if f.name == path[-1])
+
+
+def _with_field(record, kind: str, rest: tuple[str, ...], value, flat_name: str):
+  """``record`` (of ``_RECORDS[kind]``, or None where optional) with the field at ``rest``
+  below it set to ``value``, the flat field ``flat_name``'s."""
+  turn_on = _TURNED_ON_BY.get(kind)
+  if rest == (turn_on,) and value is None:
+    return None
+  if record is None:
+    if rest == (turn_on,):
+      record = _RECORDS[kind]()
+    elif value == _default_of((kind,) + rest):
+      return None
+    else:
+      raise ValueError(f"{flat_name} is a field of {_OPTIONAL_WHAT[kind]}, which {turn_on} "
+                       "(None here) turns on")
+  field, below = rest[0], rest[1:]
+  if below:
+    value = _with_field(getattr(record, field), field, below, value, flat_name)
+  return dataclasses.replace(record, **{field: value})
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class TransformerConfig:
+  """A decoder-only transformer with rotary positions: its skeleton's fields and one
+  record per part (``attention``, ``rope``, ``ffn``; ``experts`` with mixture-of-experts
+  layers, else None).
+
+  One family, many styles: GPT-like (``norm="layernorm"``, a GELU ``ffn``, biases
+  everywhere, today's default), Llama/Qwen2-like (``norm="rmsnorm"``, SwiGLU, fewer
+  kv heads than heads, biases off or on q/k/v only), and the families of
+  ``models/families/`` (windows, soft-caps, latent attention, experts...).
+
+  Built from records or from flat fields, the names a checkpoint's ``identity()``, an
+  HF config reader and a preset use (``FLAT_FIELDS``: ``num_heads`` is
+  ``attention.num_heads``, ``router_score`` is ``experts.router.score``)::
+
+    TransformerConfig(d_model=24, attention=Attention(num_heads=6, head_dim=4))
+    TransformerConfig(d_model=24, num_heads=6, head_dim=4)  # the same config
+    dataclasses.replace(cfg, num_kv_heads=2)  # flat fields change their record
+
+  and read either way (``cfg.num_heads`` is ``cfg.attention.num_heads``; a field of an
+  absent record reads as its default: ``cfg.num_experts`` is None on a dense model).
+  A flat field of an absent optional record other than the one that turns it on
+  (``kv_lora_rank``, ``num_experts``) is refused naming it, unless at its default.
+
+  Shapes in the code use: b batch, s sequence, d ``d_model``, h heads,
+  k ``head_dim``, f ``d_ff``, v ``vocab_size``. Neither ``num_heads``, ``d_ff``
+  nor ``vocab_size`` need divide the model axis: flax_tp pads the shards.
+  How a step runs (sequence parallelism, remat, scanned layers, FSDP) is not here:
+  see ``models.execution.Execution``.
+  """
+
+  vocab_size: int = BYTE_VOCAB
+  d_model: int = 128
+  num_layers: int = 4
+  max_seq_len: int = 128
+  tie_embeddings: bool = True  # LM head = embedding.attend; else its own weight
+  dropout: float = 0.0  # embedding, attention probabilities, both residual branches
+  dtype: str = "float32"  # compute dtype; params stay float32
+  norm_eps: float = 1e-5
+  norm: str = "layernorm"  # "rmsnorm" or "rmsnorm_offset" (Gemma's 1 + w)
+  # -- what the families beyond Llama/Qwen2 need (models/families/). At their
+  # defaults they leave identity() as it was before they existed.
+  embed_scale: bool = False  # embeddings times sqrt(d_model), in the compute dtype (Gemma)
+  final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2, 3)
+  sandwich_norm: bool = False  # a norm after attention and after the MLP too, before
+  # each residual add (Gemma 2, 3: four norms per block)
+  pre_norm: bool = True  # the norms before attention and before the MLP; False with
+  # sandwich_norm: only the norms after them (OLMo 2/3)
+  family: str | None = None  # the HF family it reads from / writes as (models/families/);
+  # None: Llama, or Qwen2 where only q/k/v have biases
+  # -- the parts
+  attention: Attention = Attention()
+  rope: Rope = Rope()
+  ffn: FFN = FFN()
+  experts: Experts | None = None  # None: every MLP dense
+
+  def __init__(self, **fields):
+    values = {f.name: fields.pop(f.name, f.default) for f in dataclasses.fields(self)}
+    # a field that turns an optional record on goes first: the others land in it
+    for name in sorted(fields, key=lambda n: n not in _TURNS_ON):
+      path = FLAT_FIELDS.get(name)
+      if not path:
+        raise TypeError(f"TransformerConfig got an unexpected keyword argument {name!r}")
+      values[path[0]] = _with_field(values[path[0]], path[0], path[1:], fields[name], name)
+    for name, value in values.items():
+      object.__setattr__(self, name, value)
+    self.__post_init__()
+
+  def __getattr__(self, name: str):
+    """A flat field's value, read from its record (called only for names that are not
+    attributes: ``cfg.num_heads``, never ``cfg.attention``)."""
+    path = FLAT_FIELDS.get(name)
+    if not path:
+      raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    value = self
+    for step in path:
+      if value is None:  # an absent optional record: its fields read as their defaults
+        return _default_of(path)
+      value = getattr(value, step)
+    return value
 
   def __post_init__(self):
+    for where, value, kind, optional in (
+        ("attention", self.attention, Attention, False), ("rope", self.rope, Rope, False),
+        ("ffn", self.ffn, FFN, False), ("experts", self.experts, Experts, True),
+        ("attention.latent", getattr(self.attention, "latent", None), LatentAttention, True),
+        ("experts.router", getattr(self.experts, "router", None), Router, self.experts is None)):
+      if not isinstance(value, kind) and not (optional and value is None):
+        raise ValueError(f"{where} must be a models.config.{kind.__name__}"
+                         f"{' or None' if optional else ''}, got {value!r}")
     for name in ("vocab_size", "d_model", "num_heads", "head_dim", "d_ff", "num_layers",
                  "max_seq_len"):
       if getattr(self, name) < 1:
@@ -254,8 +432,11 @@ class TransformerConfig:
                        "own norms; qk_rope_head_dim says what rotates)")
 
   def _check_experts(self) -> None:
-    if self.num_experts is None:
+    if self.experts is None:
       return
+    if self.num_experts is None:
+      raise ValueError("experts=Experts(...) needs num_experts (None here); for dense MLPs "
+                       "pass experts=None")
     if self.num_experts < 1:
       raise ValueError(f"num_experts must be >= 1 or None, got {self.num_experts!r}")
     if not 1 <= self.experts_per_token <= self.num_experts:
@@ -302,20 +483,26 @@ class TransformerConfig:
       raise ValueError(f"routed_scale must be a finite number > 0, got {self.routed_scale!r}")
 
   def identity(self) -> dict:
-    """The fields that define the model (what a checkpoint must match), as JSON holds
-    them. A field added for the families (``ADDED_FIELDS``) at its default is left out,
-    so a run written before it existed keeps its identity."""
+    """The fields that define the model (what a checkpoint must match) under their flat
+    names (``FLAT_FIELDS``), as JSON holds them. A field added since the first ones
+    (``FIRST_FIELDS``) is left out at its default, so a run written before it existed
+    keeps its identity."""
     out = {}
-    for f in dataclasses.fields(self):
-      value = getattr(self, f.name)
-      if f.name in ADDED_FIELDS and value == f.default:
+    for name in FLAT_FIELDS:
+      value = getattr(self, name)
+      if name not in FIRST_FIELDS and value == _default_of(FLAT_FIELDS[name] or (name,)):
         continue
       if isinstance(value, RopeScaling):
         value = dataclasses.asdict(value)
       elif isinstance(value, tuple):
         value = list(value)
-      out[f.name] = value
+      out[name] = value
     return out
+
+  def flat(self) -> dict:
+    """Every field under its flat name, values as held (nothing left out, unlike
+    ``identity()``)."""
+    return {name: getattr(self, name) for name in FLAT_FIELDS}
 
   @classmethod
   def from_identity(cls, fields: dict) -> TransformerConfig:
@@ -412,23 +599,14 @@ class TransformerConfig:
     check_architecture_fields(overrides)
     if name not in PRESETS:
       raise ValueError(f"unknown preset {name!r}; expected one of {tuple(PRESETS)}")
-    return cls(**{**PRESETS[name], **overrides})
+    # the preset, then the overrides over it: a record given whole replaces the preset's
+    return dataclasses.replace(cls(**PRESETS[name]), **overrides)
 
   @classmethod
   def preset_names(cls) -> tuple[str, ...]:
     return tuple(PRESETS)
 
 
-ADDED_FIELDS = frozenset((
-    "rope_scaling", "rotary_fraction", "rope_local_base", "qk_norm", "layer_types",
-    "sliding_window", "embed_scale", "attn_scale", "attn_softcap", "final_softcap",
-    "sandwich_norm", "family", "num_experts", "experts_per_token", "expert_d_ff",
-    "shared_expert_d_ff", "normalize_top_k", "moe_layers", "router_aux_loss_coef",
-    "expert_capacity_factor", "expert_drop_policy", "qk_norm_span", "pre_norm",
-    "router_score", "router_selection_bias", "expert_groups", "expert_groups_per_token",
-    "routed_scale", "shared_expert_gated", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
-    "v_head_dim", "rope_interleave", "attn_sinks", "router_bias", "expert_bias",
-    "swiglu_limit", "swiglu_alpha"))
 
 
 # The presets too large to build with random weights on one host (their params alone

@@ -36,14 +36,16 @@ def window_of(cfg: TransformerConfig, layer) -> int | jax.Array | None:
 
 def rotate(cfg: TransformerConfig, x_bshk: jax.Array, positions, layer) -> jax.Array:
   """Rotary positions on ``x [b, s, h, k]`` as ``layer``'s kind has them."""
+  rope = cfg.rope
+
   def full():
-    return ops.rotary(x_bshk, cfg.rope_base, positions, scaling=cfg.rope_scaling,
+    return ops.rotary(x_bshk, rope.base, positions, scaling=rope.scaling,
                       rotary_dim=cfg.rotary_dim)
 
   def local():
-    return ops.rotary(x_bshk, cfg.rope_local_base, positions, rotary_dim=cfg.rotary_dim)
+    return ops.rotary(x_bshk, rope.local_base, positions, rotary_dim=cfg.rotary_dim)
 
-  if cfg.rope_local_base is None or not cfg.has_sliding_layers:
+  if rope.local_base is None or not cfg.has_sliding_layers:
     return full()
   sliding = _is_sliding(cfg, layer)
   if isinstance(sliding, bool):

@@ -240,26 +240,27 @@ class LatentAttention(ParallelAttention):
   """
 
   def __init__(self, cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs):
-    heads, qk, value, rope = cfg.num_heads, cfg.head_dim, cfg.value_dim, cfg.qk_rope_head_dim
-    nope = qk - rope
+    attention, latent = cfg.attention, cfg.attention.latent
+    heads, qk, rope = attention.num_heads, attention.head_dim, latent.qk_rope_head_dim
+    nope, value = qk - rope, cfg.value_dim
     kw = dict(mesh=mesh, dtype=cfg.compute_dtype, rngs=rngs)
     column = dict(gather_output=False, use_bias=False, **kw)
-    dense = dict(dtype=cfg.compute_dtype, rngs=rngs)
+    dense = dict(dtype=cfg.compute_dtype, use_bias=attention.qkv_bias, rngs=rngs)
     norm = dict(epsilon=LATENT_NORM_EPS, dtype=cfg.compute_dtype, rngs=rngs)
     # (built in transformers' order, which is the reference's key-draw order)
-    if cfg.q_lora_rank is None:
+    if latent.q_lora_rank is None:
       self.q = flax_tp.ColumnParallelDense(cfg.d_model, heads * qk, shard_unit=qk, **column)
     else:
-      self.q_a = nnx.Linear(cfg.d_model, cfg.q_lora_rank, use_bias=cfg.qkv_bias, **dense)
-      self.q_a_norm = nnx.RMSNorm(cfg.q_lora_rank, **norm)
-      self.q_b = flax_tp.ColumnParallelDense(cfg.q_lora_rank, heads * qk, shard_unit=qk,
+      self.q_a = nnx.Linear(cfg.d_model, latent.q_lora_rank, **dense)
+      self.q_a_norm = nnx.RMSNorm(latent.q_lora_rank, **norm)
+      self.q_b = flax_tp.ColumnParallelDense(latent.q_lora_rank, heads * qk, shard_unit=qk,
                                              **column)
-    self.kv_a = nnx.Linear(cfg.d_model, cfg.kv_lora_rank + rope, use_bias=cfg.qkv_bias, **dense)
-    self.kv_a_norm = nnx.RMSNorm(cfg.kv_lora_rank, **norm)
-    self.kv_b = flax_tp.ColumnParallelDense(cfg.kv_lora_rank, heads * (nope + value),
+    self.kv_a = nnx.Linear(cfg.d_model, latent.kv_lora_rank + rope, **dense)
+    self.kv_a_norm = nnx.RMSNorm(latent.kv_lora_rank, **norm)
+    self.kv_b = flax_tp.ColumnParallelDense(latent.kv_lora_rank, heads * (nope + value),
                                             shard_unit=nope + value, **column)
     self.o = flax_tp.RowParallelDense(heads * value, cfg.d_model, input_is_parallel=True,
-                                      shard_unit=value, use_bias=cfg.attn_out_bias, **kw)
+                                      shard_unit=value, use_bias=attention.out_bias, **kw)
     self.cfg = cfg
 
   @property
@@ -349,17 +350,18 @@ def moe_layer(cfg: TransformerConfig, *, mesh: Mesh, rngs: nnx.Rngs,
               dispatcher: str = "all_gather") -> flax_tp.MoE:
   """A block's mixture of experts: experts over ``expert_axes`` (``Execution``'s; "data"
   by default), each expert's FFN over "model" unless the experts split over it."""
-  router = flax_tp.Router(cfg.experts_per_token, score=cfg.router_score,
-                          normalize=cfg.normalize_top_k, groups=cfg.expert_groups,
-                          top_groups=cfg.expert_groups_per_token, scale=cfg.routed_scale)
-  return flax_tp.MoE(cfg.d_model, cfg.expert_width, cfg.num_experts, cfg.experts_per_token,
-                     mesh=mesh, router=router, selection_bias=cfg.router_selection_bias,
-                     router_bias=cfg.router_bias, expert_bias=cfg.expert_bias,
-                     activation=flax_tp.SwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha),
-                     expert_axes=expert_axes, shared_d_ff=cfg.shared_expert_d_ff,
-                     shared_gated=cfg.shared_expert_gated, dispatcher=dispatcher,
-                     capacity_factor=cfg.expert_capacity_factor,
-                     drop_policy=cfg.expert_drop_policy, dtype=cfg.compute_dtype, rngs=rngs)
+  experts, routing = cfg.experts, cfg.experts.router
+  router = flax_tp.Router(experts.per_token, score=routing.score,
+                          normalize=routing.normalize_top_k, groups=routing.groups,
+                          top_groups=routing.groups_per_token, scale=routing.routed_scale)
+  return flax_tp.MoE(cfg.d_model, cfg.expert_width, experts.num_experts, experts.per_token,
+                     mesh=mesh, router=router, selection_bias=routing.selection_bias,
+                     router_bias=routing.bias, expert_bias=experts.bias,
+                     activation=flax_tp.SwiGLU(experts.swiglu_limit, experts.swiglu_alpha),
+                     expert_axes=expert_axes, shared_d_ff=experts.shared_d_ff,
+                     shared_gated=experts.shared_gated, dispatcher=dispatcher,
+                     capacity_factor=experts.capacity_factor,
+                     drop_policy=experts.drop_policy, dtype=cfg.compute_dtype, rngs=rngs)
 
 
 class ParallelBlock(nnx.Module):

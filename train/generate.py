@@ -18,7 +18,6 @@ line on stderr.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 import time
@@ -131,7 +130,7 @@ def load_from_checkpoint(args, mesh):
   from flax import nnx
 
   from flax_tp.checkpoint import Checkpointer, CheckpointError
-  from models.config import TransformerConfig
+  from models.config import FLAT_FIELDS, TransformerConfig
   from train.data import ByteTokenizer, HFTokenizer
   checkpointer = Checkpointer(args.checkpoint)
   try:
@@ -142,8 +141,7 @@ def load_from_checkpoint(args, mesh):
   config = run.get("config") or meta.get("config")
   if not isinstance(config, dict):
     raise UsageError(f"--checkpoint {args.checkpoint!r}: the checkpoint records no model config")
-  fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-  config = {k: v for k, v in config.items() if k in fields}
+  config = {k: v for k, v in config.items() if k in FLAT_FIELDS}
   if args.dtype:
     config["dtype"] = args.dtype
   try:
