@@ -3,6 +3,7 @@ step, and the start-up lines that say what it is."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -20,7 +21,7 @@ from train.hf_folder import hf_model_and_tokenizer
 from train.job import Job, target_globs
 from train.metrics import is_main_process
 from train.resume import claim_checkpoint_dir, resume_point, run_identity
-from train.run_model import build_run_model
+from train.run_model import EXPERT_RUN_FIELDS, build_run_model
 from train.step import LossOptions, Trainer, make_optimizer
 
 
@@ -77,6 +78,8 @@ class SetUp:
                        f"{job.schedule.batch_size} over the {data_size}-way data axis of "
                        f"--mesh {job.mesh})")
     overrides = job.model.overrides()
+    # (the experts' run fields go on once the model is known to have experts)
+    expert_fields = {k: overrides.pop(k) for k in EXPERT_RUN_FIELDS if k in overrides}
     self.execution = job.execution
     self.lora = job.lora.config(job.schedule.seed)
     tokenizer = None
@@ -84,9 +87,10 @@ class SetUp:
       self.cfg, tokenizer = hf_model_and_tokenizer(job.model.init_from, overrides)
     else:
       self.cfg = TransformerConfig.preset(job.model.preset_name, **overrides)
-    if job.model.expert_capacity_factor is not None and not self.cfg.has_experts:
+    if expert_fields and not self.cfg.has_experts:
       raise UsageError(f"--expert-capacity-factor {job.model.expert_capacity_factor} is for a "
                        f"model with experts; this one has none")
+    self.cfg = dataclasses.replace(self.cfg, **expert_fields)
     if (job.execution.expert_axes != Execution.expert_axes
         and not self.cfg.has_experts):  # never a layout that lays out nothing
       raise UsageError(f"--expert-axes {','.join(job.execution.expert_axes)} is for a model "
