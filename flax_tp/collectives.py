@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 from flax_tp.mesh import MODEL_AXIS
 
@@ -87,6 +88,76 @@ def copy_to_parallel(x: jax.Array, axis_name: str | tuple[str, ...] = MODEL_AXIS
     return jax.lax.pcast(x, live, to="varying") if live else x
   _require_bound(axis_name, "copy_to_parallel")
   return x if jax.lax.axis_size(axis_name) == 1 else _vary(x, axis_name)
+
+
+# Megatron's default gradient bucket (its DDP all-reduces its contiguous gradient
+# buffer in buckets of 40M elements): the most one packed array of copy_all_to_parallel
+# holds, so packing never costs more than that in temporaries.
+BUCKET_ELEMENTS = 40_000_000
+
+
+def copy_all_to_parallel(xs: list[jax.Array], axis_names: tuple[str, ...]) -> list[jax.Array]:
+  """``copy_to_parallel(x, axis_names)`` of every ``x`` in ``xs`` (each the same on every
+  device of ``axis_names``), with their backward all-reduces packed: the cotangents are
+  concatenated into one flat array per dtype and per set of axes they vary over (up to
+  ``BUCKET_ELEMENTS`` each), summed over ``axis_names``, and cut back.
+
+  The sums are the same as one all-reduce per array; what changes is how many arrays
+  the collective carries. XLA:CPU meets the devices' threads once per array of a
+  collective, so data parallelism's gradient all-reduce over N params costs N meetings
+  (Megatron's DDP packs its gradients for its own reasons: one contiguous buffer).
+  Pass only arrays the caller differentiates: JAX takes a custom VJP's outputs together,
+  so a frozen one among them would have its cotangent computed and sent (an output no
+  one uses is left out).
+  """
+  live = tuple(n for n in axis_names if jax.lax.axis_size(n) > 1)
+  for name in axis_names:
+    _require_bound(name, "copy_all_to_parallel")
+  if not live or not xs:
+    return list(xs)
+
+  @jax.custom_vjp
+  def mark(*values):
+    return tuple(jax.lax.pcast(v, live, to="varying") for v in values)
+
+  def fwd(*primals):
+    return mark(*(p.value for p in primals)), None
+
+  def bwd(_, cotangents):
+    summed = [None] * len(cotangents)
+    groups: dict[tuple, list[int]] = {}
+    for i, ct in enumerate(cotangents):
+      if isinstance(ct, jax.custom_derivatives.SymbolicZero):
+        continue  # not differentiated: nothing to sum
+      key = (ct.dtype, tuple(sorted(jax.typeof(ct).manual_axis_type.varying - set(live))))
+      groups.setdefault(key, []).append(i)
+    for members in groups.values():
+      for bucket in _buckets(members, [cotangents[i].size for i in members]):
+        flat = jax.lax.psum(jnp.concatenate([cotangents[i].reshape(-1) for i in bucket]),
+                            live)
+        start = 0
+        for i in bucket:
+          size = cotangents[i].size
+          summed[i] = flat[start:start + size].reshape(cotangents[i].shape)
+          start += size
+    return tuple(summed)
+
+  mark.defvjp(fwd, bwd, symbolic_zeros=True)
+  return list(mark(*xs))
+
+
+def _buckets(members: list[int], sizes: list[int]) -> list[list[int]]:
+  """``members`` in order, cut into runs of at most ``BUCKET_ELEMENTS`` elements (an
+  array larger than that alone)."""
+  out: list[list[int]] = [[]]
+  total = 0
+  for member, size in zip(members, sizes, strict=True):
+    if out[-1] and total + size > BUCKET_ELEMENTS:
+      out.append([])
+      total = 0
+    out[-1].append(member)
+    total += size
+  return out
 
 
 def _vary(x: jax.Array, axis_name: str) -> jax.Array:

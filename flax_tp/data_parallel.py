@@ -58,7 +58,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from flax_tp.collectives import all_gather, axis_is_bound, copy_to_parallel, shard_index
+from flax_tp.collectives import (
+  all_gather,
+  axis_is_bound,
+  copy_all_to_parallel,
+  copy_to_parallel,
+  is_varying,
+  shard_index,
+)
 from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, MeshAxes
 from flax_tp.param_info import FSDP_DIM, FSDP_PER_BLOCK, FSDP_SPLIT, ParamInfo, Split, record
 
@@ -263,7 +270,8 @@ def _is_var(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def gather_for_step(params: nnx.State, *, per_replica: bool = True) -> nnx.State:
+def gather_for_step(params: nnx.State, *, per_replica: bool = True,
+                    differentiated: Any = None) -> nnx.State:
   """Inside a ``shard_map`` over ``("data", "model")``: each param as the layers use it.
 
   A param split over ``"data"`` is all-gathered over it (tiled, on its FSDP dim) under
@@ -275,6 +283,11 @@ def gather_for_step(params: nnx.State, *, per_replica: bool = True) -> nnx.State
   ``"data"`` and ``"context"`` together on a mesh with a context axis: ``batch_axes``).
   ``per_replica=False`` (a batch replicated over ``"data"``, every shard computing the
   same): those are left invariant, so what is computed from them is too.
+  ``differentiated``: an nnx filter of the params whose gradients the caller takes (the
+  step's trained params); on XLA:CPU their gradient all-reduces over the batch axes
+  travel packed, a few arrays instead of one per param (``copy_all_to_parallel``: the
+  same sums). A param outside it is marked on its own, so one nobody differentiates (a
+  LoRA run's frozen base) has no gradient computed or sent.
   """
   def one(var: nnx.Variable) -> nnx.Variable:
     info = ParamInfo.of(var)
@@ -284,7 +297,28 @@ def gather_for_step(params: nnx.State, *, per_replica: bool = True) -> nnx.State
       return var
     return _gathered(var)
 
+  if per_replica and differentiated is not None and jax.default_backend() == "cpu":
+    params = _per_replica_packed(params, differentiated)  # (one() leaves them: varying)
   return jax.tree.map(one, params, is_leaf=_is_var)
+
+
+def _per_replica_packed(params: nnx.State, differentiated: Any) -> nnx.State:
+  """``params`` with the ``differentiated`` ones replicated over the batch axes marked
+  per-replica together (``copy_all_to_parallel``): their gradients are summed over those
+  axes in packed arrays, one per bucket, not one array per param. On XLA:CPU only,
+  where a collective costs a meeting of the device threads per array it carries;
+  elsewhere the per-param all-reduces are left to XLA's combiner (and to its overlap
+  with the backward pass). The sums are the same either way."""
+  axes = batch_axes()
+  wanted = nnx.filterlib.to_predicate(differentiated)
+  flat = list(nnx.to_flat_state(params))
+  mine = [i for i, (path, var) in enumerate(flat) if wanted(path, var)
+          and not ParamInfo.of(var).over_data
+          and not any(is_varying(var[...], a) for a in axes)]
+  marked = copy_all_to_parallel([flat[i][1][...] for i in mine], axes)
+  for i, value in zip(mine, marked, strict=True):
+    flat[i] = (flat[i][0], flat[i][1].replace(value))
+  return nnx.from_flat_state(flat)
 
 
 def gather_block(state: nnx.State) -> nnx.State:

@@ -59,6 +59,7 @@ class RopeScaling:
       raise ValueError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor > 0, got "
                        f"{self.high_freq_factor!r} and {self.low_freq_factor!r}")
 
+
 # -- The parts of a model, each a record of its own. A TransformerConfig holds one of
 # each (``attention``, ``rope``, ``ffn``; ``experts`` only with mixture-of-experts
 # layers). Their checks that involve other parts live in TransformerConfig, which

@@ -102,3 +102,65 @@ def test_outside_mapped_context(call):
 def test_wrong_axis_name_inside_map(mesh):
   with pytest.raises(ValueError, match="'tensor' is not bound"):
     sharded(lambda b: flax_tp.all_reduce(b, axis_name="tensor"), mesh)(X)
+
+
+# -- copy_all_to_parallel: data parallelism's gradient sums, packed ------------------------
+
+A = jax.random.normal(jax.random.key(3), (3, 5))  # replicated
+B = jax.random.normal(jax.random.key(4), (5,))  # replicated
+C = jax.random.normal(jax.random.key(5), (8, 5))  # split over model
+FROZEN = jax.random.normal(jax.random.key(6), (5,))  # replicated, never differentiated
+TOKENS = jax.random.normal(jax.random.key(7), (8, 3))  # split over data
+
+
+def _loss(mesh, packed: bool):
+  """The summed squares of a two-layer map of TOKENS, data x model parallel; A, B and C
+  marked per-replica over "data" together (packed) or one by one."""
+  from flax_tp.collectives import copy_all_to_parallel, copy_to_parallel
+
+  def local(a, b, c, frozen, x):
+    if packed:
+      a, b, c = copy_all_to_parallel([a, b, c], ("data",))
+    else:
+      a, b, c = (copy_to_parallel(v, ("data",)) for v in (a, b, c))
+    frozen = copy_to_parallel(frozen, ("data",))
+    hidden = jnp.tanh(x @ a + b + frozen)  # [4, 5]
+    out = hidden @ flax_tp.copy_to_parallel(c, "model").T  # [4, 2]: this device's columns
+    return flax_tp.all_reduce(jnp.sum(out ** 2), "sum", ("data", "model"))
+
+  mapped = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("model"), P(), P("data")),
+                         out_specs=P())
+  return lambda a, b, c: mapped(a, b, c, FROZEN, TOKENS)
+
+
+def _dense_loss(a, b, c):
+  return jnp.sum((jnp.tanh(TOKENS @ a + b + FROZEN) @ c.T) ** 2)
+
+
+def _data_operands(fn, mesh):
+  from flax_tp.hlo import collectives
+  text = jax.jit(jax.grad(fn, argnums=(0, 1, 2))).lower(A, B, C).compile().as_text()
+  return sorted(shape for c in collectives(text, mesh) if c.axes == ("data",)
+                for _, shape in c.operands)
+
+
+def test_packed_gradient_sums_equal_one_all_reduce_per_array(mesh):
+  """The same gradients bit for bit (and the one-device ones), sent as one array per
+  set of axes the cotangents vary over instead of one per param; the frozen param, left
+  out of the pack, has no cotangent sent."""
+  grads = {packed: jax.jit(jax.grad(_loss(mesh, packed), argnums=(0, 1, 2)))(A, B, C)
+           for packed in (False, True)}
+  for plain, packed in zip(grads[False], grads[True], strict=True):
+    np.testing.assert_array_equal(packed, plain)
+  for packed, dense in zip(grads[True], jax.grad(_dense_loss, argnums=(0, 1, 2))(A, B, C),
+                           strict=True):
+    np.testing.assert_allclose(packed, dense, rtol=1e-5, atol=1e-6 * np.abs(dense).max())
+  assert _data_operands(_loss(mesh, False), mesh) == sorted([(3, 5), (5,), (2, 5)])
+  # A and B (the same on every model device) in one array, C's shard in another
+  assert _data_operands(_loss(mesh, True), mesh) == sorted([(15 + 5,), (2 * 5,)])
+
+
+def test_packed_gradient_sums_are_cut_into_buckets(mesh, monkeypatch):
+  import flax_tp.collectives as collectives_module
+  monkeypatch.setattr(collectives_module, "BUCKET_ELEMENTS", 16)
+  assert _data_operands(_loss(mesh, True), mesh) == sorted([(15,), (5,), (10,)])

@@ -240,7 +240,7 @@ class Trainer:
     # gradient locally (the tied embedding is used twice) and all-reduces it over
     # "data" once, instead of once per use; a param split over "data" (FSDP) is
     # all-gathered here instead (a block's by the block), its gradient reduce-scattered.
-    params = gather_for_step(params)
+    params = gather_for_step(params, differentiated=self.trained_filter or nnx.Param)
     model = nnx.merge(self.graphdef, params)
     model_tokens = model.step_tokens(tokens)
     model_len = model_tokens.shape[1]

@@ -193,7 +193,7 @@ if __name__ == "__main__":
   sys.path.insert(0, str(ROOT))
   if "--update" in sys.argv:  # one intended change (e.g. a new preset in --help)
     section = sys.argv[sys.argv.index("--update") + 1]
-    sections = {"help": help_texts, "identities": identities}
+    sections = {"help": help_texts, "identities": identities, "step_tallies": step_tallies}
     if section not in sections:
       sys.exit(f"--update: expected one of {tuple(sections)}, got {section!r}")
     golden = json.loads(GOLDEN.read_text())
