@@ -3,7 +3,8 @@
 
 Data parallelism: inside the step's ``shard_map`` each replicated param is marked
 per-replica once (``gather_for_step``), so backward sums its gradient locally (a tied
-embedding is used twice) and all-reduces it over ``"data"`` once.
+embedding is used twice) and all-reduces it over ``"data"`` once (on XLA:CPU the
+trained params' all-reduces packed into a few arrays: ``copy_all_to_parallel``).
 
 With tensor parallelism alone every data replica holds whole copies of its model
 shard's params, gradients and optimizer state. ``shard_over_data`` splits each param
