@@ -110,9 +110,9 @@ def copy_all_to_parallel(xs: list[jax.Array], axis_names: tuple[str, ...]) -> li
   so a frozen one among them would have its cotangent computed and sent (an output no
   one uses is left out).
   """
-  live = tuple(n for n in axis_names if jax.lax.axis_size(n) > 1)
   for name in axis_names:
     _require_bound(name, "copy_all_to_parallel")
+  live = tuple(n for n in axis_names if jax.lax.axis_size(n) > 1)
   if not live or not xs:
     return list(xs)
 

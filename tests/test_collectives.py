@@ -93,6 +93,7 @@ def test_unknown_op(mesh):
 
 @pytest.mark.parametrize("call", [
     lambda: flax_tp.all_reduce(X), lambda: flax_tp.all_gather(X), lambda: flax_tp.reduce_scatter(X),
+    lambda: flax_tp.copy_all_to_parallel([X], ("model",)),
 ])
 def test_outside_mapped_context(call):
   with pytest.raises(ValueError, match="'model' is not bound here.*shard_map"):
