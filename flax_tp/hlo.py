@@ -147,14 +147,24 @@ def tally(found: list[Collective]) -> dict[str, dict[str, int]]:
   return out
 
 
-def arrays_sent(found: list[Collective]) -> collections.Counter:
+def arrays_sent(found: list[Collective],
+                by_elements: tuple[tuple[str, ...], ...] = ()) -> collections.Counter:
   """How many times each array is sent: ``(kind, axes, dtype, shape)`` per array of
   every collective, leading 1s of the shape dropped (a ``shard_map``'s per-device
-  axis), so that two programs' traffic compares array by array whatever packed it."""
+  axis), so that two programs' traffic compares array by array whatever packed it.
+
+  ``by_elements``: the axes (``(("data",),)``) whose collectives' arrays, scalars
+  apart, are counted by their elements under one key ``(kind, axes, dtype,
+  "elements")``: a step that sends its gradient sums packed into flat arrays
+  (``flax_tp.copy_all_to_parallel``) then compares with one that sends them one by one.
+  """
   out: collections.Counter = collections.Counter()
   for c in found:
     for dtype, shape in c.operands:
       while shape and shape[0] == 1:
         shape = shape[1:]
-      out[(c.kind, c.axes, dtype, shape)] += 1
+      if shape and c.axes in by_elements:
+        out[(c.kind, c.axes, dtype, "elements")] += math.prod(shape)
+      else:
+        out[(c.kind, c.axes, dtype, shape)] += 1
   return out

@@ -365,10 +365,11 @@ def test_the_reference_transformer_parallelized_equals_flax_tps(meshes, mesh_spe
     return
   trainer = Trainer(mine, optax.sgd(0.1))
   hand_written = jax.jit(trainer.loss_and_grads).lower(trainer.params, tokens).compile()
-  ours, theirs = (arrays_sent(collectives(c.as_text(), mesh))
+  ours, theirs = (arrays_sent(collectives(c.as_text(), mesh), by_elements=(("data",),))
                   for c in (compiled, hand_written))
   # Column layers reading one input share their backward all-reduce, the tied embedding's
-  # gradient is summed over "data" once, and the tied head's logits stay split. The one
+  # gradient is summed over "data" once (flax_tp's step packs those sums: compared by
+  # elements), and the tied head's logits stay split. The one
   # extra all-reduce is the plain loss's: log_softmax's backward sums its cotangent over
   # the vocabulary, which flax_tp's vocab-parallel cross-entropy knows to be 1.
   local_batch = tokens.shape[0] // mesh.shape["data"]
