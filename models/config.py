@@ -220,7 +220,7 @@ FIRST_FIELDS = frozenset((
 _RECORDS = {"attention": Attention, "latent": LatentAttention, "rope": Rope, "ffn": FFN,
             "experts": Experts, "router": Router}
 _TURNED_ON_BY = {"latent": "kv_lora_rank", "experts": "num_experts"}
-_TURNS_ON = frozenset(("kv_lora_rank", "num_experts"))
+_TURNS_ON = frozenset(_TURNED_ON_BY.values())
 _OPTIONAL_WHAT = {"latent": "multi-head latent attention", "experts": "mixture-of-experts layers"}
 
 
