@@ -285,9 +285,9 @@ def gather_for_step(params: nnx.State, *, per_replica: bool = True,
   ``per_replica=False`` (a batch replicated over ``"data"``, every shard computing the
   same): those are left invariant, so what is computed from them is too.
   ``differentiated``: an nnx filter of the params whose gradients the caller takes (the
-  step's trained params); on XLA:CPU their gradient all-reduces over the batch axes
-  travel packed, a few arrays instead of one per param (``copy_all_to_parallel``: the
-  same sums). A param outside it is marked on its own, so one nobody differentiates (a
+  step's trained params, given on XLA:CPU): their gradient all-reduces over the batch
+  axes travel packed, a few arrays instead of one per param (``copy_all_to_parallel``:
+  the same sums). A param outside it is marked on its own, so one nobody differentiates (a
   LoRA run's frozen base) has no gradient computed or sent.
   """
   def one(var: nnx.Variable) -> nnx.Variable:
@@ -298,7 +298,7 @@ def gather_for_step(params: nnx.State, *, per_replica: bool = True,
       return var
     return _gathered(var)
 
-  if per_replica and differentiated is not None and jax.default_backend() == "cpu":
+  if per_replica and differentiated is not None:
     params = _per_replica_packed(params, differentiated)  # (one() leaves them: varying)
   return jax.tree.map(one, params, is_leaf=_is_var)
 
@@ -306,10 +306,10 @@ def gather_for_step(params: nnx.State, *, per_replica: bool = True,
 def _per_replica_packed(params: nnx.State, differentiated: Any) -> nnx.State:
   """``params`` with the ``differentiated`` ones replicated over the batch axes marked
   per-replica together (``copy_all_to_parallel``): their gradients are summed over those
-  axes in packed arrays, one per bucket, not one array per param. On XLA:CPU only,
-  where a collective costs a meeting of the device threads per array it carries;
-  elsewhere the per-param all-reduces are left to XLA's combiner (and to its overlap
-  with the backward pass). The sums are the same either way."""
+  axes in packed arrays, one per bucket, not one array per param. For XLA:CPU, where a
+  collective costs a meeting of the device threads per array it carries (the step asks
+  for it there only; elsewhere the per-param all-reduces are left to XLA's combiner and
+  its overlap with the backward pass). The sums are the same either way."""
   axes = batch_axes()
   wanted = nnx.filterlib.to_predicate(differentiated)
   flat = list(nnx.to_flat_state(params))

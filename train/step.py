@@ -147,6 +147,11 @@ class Trainer:
                            if jax.tree.leaves(nnx.state(model, flax_tp.SelectionBias))
                            else None)
     self.trained_specs = nnx.get_partition_spec(self.trained(self.params))
+    # On XLA:CPU the trained params' data-parallel gradient sums travel packed
+    # (flax_tp.copy_all_to_parallel), as the dense layers pick their CPU matmul: by the
+    # mesh's platform. None elsewhere: one all-reduce per param, XLA's to combine.
+    self.packed_gradients = ((self.trained_filter or nnx.Param)
+                             if self.mesh.devices.flat[0].platform == "cpu" else None)
     # DeepSeek-V3's auxiliary-loss-free balancing: after each step every selection bias
     # moves by this rate toward its layer's mean load (balance_selection_biases).
     if not (isinstance(bias_update_rate, (int, float)) and 0 <= bias_update_rate < math.inf):
@@ -240,7 +245,7 @@ class Trainer:
     # gradient locally (the tied embedding is used twice) and all-reduces it over
     # "data" once, instead of once per use; a param split over "data" (FSDP) is
     # all-gathered here instead (a block's by the block), its gradient reduce-scattered.
-    params = gather_for_step(params, differentiated=self.trained_filter or nnx.Param)
+    params = gather_for_step(params, differentiated=self.packed_gradients)
     model = nnx.merge(self.graphdef, params)
     model_tokens = model.step_tokens(tokens)
     model_len = model_tokens.shape[1]
