@@ -95,6 +95,8 @@ def peer_contender(peer, tokens_host):
 PEAK_TFLOPS = {
     ("NVIDIA H200", "bfloat16"): 989.0, ("NVIDIA H200", "float32"): 494.0,  # TF32
     ("NVIDIA H100 80GB HBM3", "bfloat16"): 989.0, ("NVIDIA H100 80GB HBM3", "float32"): 494.0,
+    # TPU v5e (JAX's device_kind "TPU v5 lite"): 197 TFLOP/s dense bf16; no float32 figure.
+    ("TPU v5 lite", "bfloat16"): 197.0,
 }
 
 

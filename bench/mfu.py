@@ -152,18 +152,22 @@ def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeat
                                                       Execution(remat=remat))[1])
               for remat in ["none", *remats]}
   builders["plain Flax"] = lambda: peer_contender(peers.single(cfg, tx), tokens)[0]
-  contenders = {}
-  for name, build in builders.items():
-    try:
-      contenders[name] = build()
-      contenders[name]()  # compiles and runs once: a point that does not fit fails here
-    except Exception as err:  # only running out of memory is expected
-      if not out_of_memory(err):
-        raise
-      contenders.pop(name, None)
-      row[name] = "out of memory"
-  if contenders:
-    medians = interleaved_medians(contenders, repeats)
+  medians = time_together(builders, repeats)
+  row["timing"] = "interleaved"
+  if medians is None:
+    # They do not all fit in memory together (each holds its params and optimizer state,
+    # and a TPU reserves a program's scratch memory at each call): each is built afresh
+    # with the others freed and timed alone; one that does not fit even alone is
+    # recorded as such.
+    row["timing"] = "one at a time (the contenders do not fit in memory together)"
+    medians = {}
+    for name, build in builders.items():
+      alone = time_together({name: build}, repeats)
+      if alone is None:
+        row[name] = "out of memory"
+      else:
+        medians.update(alone)
+  if medians:
     params = param_count(cfg)
     flops = model_flops(cfg, params, batch, seq)
     row.update(params=params, model_flops=flops)
@@ -172,6 +176,24 @@ def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeat
     if "flax_tp" in medians and "plain Flax" in medians:
       row["flax_tp / plain Flax"] = medians["flax_tp"] / medians["plain Flax"]
   return row
+
+
+def time_together(builders: dict, repeats: int) -> dict[str, float] | None:
+  """Each builder's contender built, run once and timed interleaved with the others:
+  their median seconds per step, or None if they ran out of memory (the failed
+  contenders are freed before this returns, not kept alive by a traceback)."""
+  contenders = {}
+  try:
+    for name, build in builders.items():
+      contenders[name] = build()
+      contenders[name]()  # compiles and runs once
+    return interleaved_medians(contenders, repeats)
+  except Exception as err:  # only running out of memory is expected
+    if not out_of_memory(err):
+      raise
+  finally:
+    contenders.clear()
+  return None
 
 
 def device_report(preset: str, repeats: int, log) -> dict[str, Any]:

@@ -219,6 +219,34 @@ def test_mfu_bench_refuses_bad_values(argv, capsys):
   assert err.count("\n") == 1 and err.startswith("bench.mfu: error: "), err
 
 
+def test_mfu_bench_times_alone_what_does_not_fit_together(monkeypatch):
+  """A TPU v5e ran out of memory timing the ~125M preset's contenders together (each
+  holds its state; a program's scratch is reserved at each call): they are then timed
+  one at a time, and one that does not fit even alone is recorded as out of memory."""
+  import bench.mfu
+  real_medians = bench.mfu.interleaved_medians
+
+  def medians_of_one_at_a_time(steps, repeats):
+    if len(steps) > 1:
+      raise ValueError("RESOURCE_EXHAUSTED: Attempting to reserve 13.44G")
+    return real_medians(steps, repeats)
+
+  def peer_out_of_memory(peer, tokens):
+    raise ValueError("RESOURCE_EXHAUSTED: Error loading program 'jit_step'")
+
+  monkeypatch.setattr(bench.mfu, "interleaved_medians", medians_of_one_at_a_time)
+  monkeypatch.setattr(bench.mfu, "peer_contender", peer_out_of_memory)
+  import flax_tp
+  from train.step import make_optimizer
+  row = bench.mfu.measure_point(TransformerConfig.preset("llama-tiny"), 2, 8, ["block"],
+                                flax_tp.make_mesh("1x1"), make_optimizer(lr=1e-3, steps=10), 1, 1.0)
+  assert row["timing"] == "one at a time (the contenders do not fit in memory together)"
+  assert row["plain Flax"] == "out of memory"
+  for name in ("flax_tp", "flax_tp remat=block"):
+    assert row[name]["step_s"] > 0
+  assert "flax_tp / plain Flax" not in row
+
+
 def test_mfu_bench_keeps_the_points_measured_before_an_interrupt(tmp_path, monkeypatch, capsys):
   """Each point is written as soon as it is measured: Ctrl-C (or a lent GPU's time
   limit) loses only the point in progress."""
