@@ -202,10 +202,15 @@ def _explicit(q, k, v, mask, spec, keep):
   t, g = k.shape[1], k.shape[2]
   # grouped-query attention without copying k and v per query head: query head i reads
   # kv head i // (h / g), so q's heads are split [g, h / g] and the scores joined back
-  grouped = q.reshape(b, s, g, h // g, d)
   scale = 1.0 / jnp.sqrt(jnp.float32(d)) if spec.scale is None else spec.scale
-  scores = jnp.einsum("bqgrk,btgk->bgrqt", grouped, k,
-                      preferred_element_type=jnp.float32).reshape(b, h, s, t) * scale
+  if g == h:
+    # one query head per kv head: the plain form, whose transposes XLA:CPU folds into
+    # the dots (the grouped form's size-1 group axis costs it a copy each way)
+    scores = jnp.einsum("bqhk,bthk->bhqt", q, k, preferred_element_type=jnp.float32) * scale
+  else:
+    grouped = q.reshape(b, s, g, h // g, d)
+    scores = jnp.einsum("bqgrk,btgk->bgrqt", grouped, k,
+                        preferred_element_type=jnp.float32).reshape(b, h, s, t) * scale
   scores = jnp.where(mask, ops.softcap_of(scores, spec.softcap), jnp.finfo(jnp.float32).min)
   if spec.sinks is None:
     probs = jax.nn.softmax(scores, axis=-1)
@@ -216,5 +221,7 @@ def _explicit(q, k, v, mask, spec, keep):
     probs = weights / (jnp.sum(weights, -1, keepdims=True) + jnp.exp(sink - top))
   if keep is not None:
     probs = ops.apply_keep(probs, keep, spec.dropout)
+  if g == h:
+    return jnp.einsum("bhqt,bthk->bqhk", probs.astype(v.dtype), v)
   probs = probs.astype(v.dtype).reshape(b, g, h // g, s, t)
   return jnp.einsum("bgrqt,btgk->bqgrk", probs, v).reshape(b, s, h, d)

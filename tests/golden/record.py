@@ -4,6 +4,8 @@
     python tests/golden/record.py --check    # compares, prints each difference
     python tests/golden/record.py --update help   # re-records one structure section
                                                   # after a change meant to move it
+    python tests/golden/record.py --update numerics   # after a change meant to round
+                                                      # differently (on this CPU kind)
 
 ``structure()`` is what the code decides (param paths, the compiled train step's
 collectives, ``--help`` of every entry point, the configs' identities): the same on
@@ -194,12 +196,16 @@ if __name__ == "__main__":
   if "--update" in sys.argv:  # one intended change (e.g. a new preset in --help)
     section = sys.argv[sys.argv.index("--update") + 1]
     sections = {"help": help_texts, "identities": identities, "step_tallies": step_tallies}
-    if section not in sections:
-      sys.exit(f"--update: expected one of {tuple(sections)}, got {section!r}")
+    if section not in (*sections, "numerics"):
+      sys.exit(f"--update: expected one of {(*sections, 'numerics')}, got {section!r}")
     golden = json.loads(GOLDEN.read_text())
-    golden["structure"][section] = sections[section]()
+    if section == "numerics":  # an intended change of rounding: recorded on this CPU kind
+      golden["numerics"] = numerics()
+    else:
+      golden["structure"][section] = sections[section]()
     GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
-    print(f"re-recorded structure/{section} in {GOLDEN}")
+    print(f"re-recorded {'numerics' if section == 'numerics' else 'structure/' + section} "
+          f"in {GOLDEN}")
     sys.exit(0)
   got = {"structure": structure(), "numerics": numerics()}
   if "--check" in sys.argv:
