@@ -74,8 +74,9 @@ def megatron_minimum(cfg, data: int, model: int, batch: int, seq: int,
   Over "model", per block: 2 all-reduces of the activations [b, s, d] forward
   (attention and MLP outputs) and 2 backward (their inputs' gradients); the
   embedding's forward all-reduce and the tied LM head's input-gradient
-  all-reduce, both [b, s, d]; the loss's 3 [b, s] float32 reductions (max, sum
-  of exps, target logit). With per-head q/k norms (Qwen3, Gemma 3), each device
+  all-reduce, both [b, s, d]; the loss's 3 [b, s] float32 reductions in 2
+  collectives (the max, then the sum of exps and the target logit packed in one;
+  Megatron runs the two sums apart). With per-head q/k norms (Qwen3, Gemma 3), each device
   holds the norms' weights whole but norms only its own heads: their two
   ``[head_dim]`` float32 gradients per block are all-reduced over "model" too (as
   Megatron-core all-reduces its qk-layernorm gradients over the tensor-parallel
@@ -86,7 +87,7 @@ def megatron_minimum(cfg, data: int, model: int, batch: int, seq: int,
   act = b * seq * cfg.d_model * cfg.compute_dtype.itemsize
   count = nbytes = 0
   if model > 1:
-    count += 4 * cfg.num_layers + 2 + 3
+    count += 4 * cfg.num_layers + 2 + 2
     nbytes += (4 * cfg.num_layers + 2) * act + 3 * b * seq * 4
     if getattr(cfg, "qk_norm", False):
       count += 2 * cfg.num_layers

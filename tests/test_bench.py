@@ -35,9 +35,10 @@ def test_bench_smoke(tmp_path):
 
 def test_minimum_formula():
   cfg = TransformerConfig.tiny()
-  # 2 blocks: (4 * 2 + 2) activations of [4, 16, 24] float32 and 3 [4, 16] reductions.
+  # 2 blocks: (4 * 2 + 2) activations of [4, 16, 24] float32 and 3 [4, 16] reductions in
+  # 2 collectives (the loss's max; its two sums packed).
   minimum = megatron_minimum(cfg, data=2, model=4, batch=8, seq=16, local_param_bytes=100)
-  assert minimum == {"count": 4 * 2 + 5 + 1,
+  assert minimum == {"count": 4 * 2 + 2 + 2 + 1,
                      "bytes": 10 * 4 * 16 * 24 * 4 + 3 * 4 * 16 * 4 + 100 + 4}
   assert megatron_minimum(cfg, 1, 1, 8, 16, 100) == {"count": 0, "bytes": 0}
 
@@ -146,8 +147,10 @@ def test_plan_bench_smoke(tmp_path):
                     "--seq-len", "16", "--out", str(out)]) == 0
   entry = json.loads(out.read_text())["meshes"]["2x4"]
   # The parallelized plain model sends what the hand-written one does, plus the plain
-  # loss's one [b, s] sum over the vocabulary (4 rows of 16 per data replica).
-  assert entry["only_parallelized"] == [["all-reduce", "model", "f32", [4, 16], 1]]
+  # loss's one [b, s] sum over the vocabulary (4 rows of 16 per data replica); and the
+  # sum of exps and the target logit apart, which flax_tp's loss packs in one [2, b, s].
+  assert entry["only_parallelized"] == [["all-reduce", "model", "f32", [4, 16], 3]]
+  assert entry["only_flax_tp"] == [["all-reduce", "model", "f32", [2, 4, 16], 1]]
   assert entry["parallelized"]["step_s"] > 0 and entry["flax_tp"]["step_s"] > 0
 
 

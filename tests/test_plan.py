@@ -325,7 +325,8 @@ def test_the_reference_transformer_parallelized_equals_flax_tps(meshes, mesh_spe
   gradients equal the plain model's, and its logits equal models/transformer.py's from
   the same seed.
   With even sizes its compiled gradient step moves what models/transformer.py's does:
-  the same collectives, plus the one [b, s] sum the plain loss's backward needs."""
+  the same collectives, plus the one [b, s] sum the plain loss's backward needs (and the
+  loss's two sums apart, which flax_tp packs)."""
   from models.config import TransformerConfig
   from models.reference import ReferenceTransformer, reference_loss
   from models.transformer import Transformer
@@ -369,9 +370,10 @@ def test_the_reference_transformer_parallelized_equals_flax_tps(meshes, mesh_spe
                   for c in (compiled, hand_written))
   # Column layers reading one input share their backward all-reduce, the tied embedding's
   # gradient is summed over "data" once (flax_tp's step packs those sums: compared by
-  # elements), and the tied head's logits stay split. The one
-  # extra all-reduce is the plain loss's: log_softmax's backward sums its cotangent over
-  # the vocabulary, which flax_tp's vocab-parallel cross-entropy knows to be 1.
+  # elements), and the tied head's logits stay split. One extra all-reduce is the plain
+  # loss's: log_softmax's backward sums its cotangent over the vocabulary, which flax_tp's
+  # vocab-parallel cross-entropy knows to be 1. The loss's sum of exps and target logit
+  # go apart in the plain loss, packed as one [2, b, s] in flax_tp's.
   local_batch = tokens.shape[0] // mesh.shape["data"]
-  assert ours - theirs == Counter({("all-reduce", ("model",), "f32", (local_batch, 8)): 1})
-  assert not theirs - ours
+  assert ours - theirs == Counter({("all-reduce", ("model",), "f32", (local_batch, 8)): 3})
+  assert theirs - ours == Counter({("all-reduce", ("model",), "f32", (2, local_batch, 8)): 1})

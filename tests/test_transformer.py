@@ -150,8 +150,9 @@ def test_sequence_parallelism_communicates_like_megatron_sp(meshes):
   assert {c.kind for c in sp if c.axes == ("model",)} == {"all-reduce", "all-gather",
                                                            "reduce-scatter"}
   leftover = [shape for c in on_model(sp, "all-reduce") for _, shape in c.operands if shape]
-  loss_rows = activation[1][:2]
-  assert all(shape in (loss_rows, (1, 1, cfg.d_model)) for shape in leftover), leftover
+  loss_rows = activation[1][:2]  # the loss's max, and its sums packed [2, b, s]
+  assert all(shape in (loss_rows, (2, *loss_rows), (1, 1, cfg.d_model))
+             for shape in leftover), leftover
 
 
 def test_collectives_per_block(meshes):
@@ -160,8 +161,9 @@ def test_collectives_per_block(meshes):
   model_one, model_two = one["all-reduce@model"], two["all-reduce@model"]
   assert model_two["tensors"] - model_one["tensors"] == 4
   # Outside the blocks: the embedding's forward all-reduce, the LM head input's
-  # backward all-reduce, and the loss's max, sum of exps and target logit.
-  assert model_one["tensors"] == 4 + 5
+  # backward all-reduce, and the loss's max and one packed sum (of exps and the target
+  # logit).
+  assert model_one["tensors"] == 4 + 4
   # The only other traffic over "model": scalars, gradient clipping's partial
   # squared norms (a few per param), which are bookkeeping-sized.
   n_params = len(jax.tree.leaves(nnx.state(Transformer(
@@ -279,7 +281,8 @@ def test_kv_gradient_sum_is_the_only_extra_collective(meshes):
   per_block = 4  # k and v: kernel and bias
   assert (gqa["all-reduce@model"]["tensors"] - mha["all-reduce@model"]["tensors"]
           == per_block * LLAMA.num_layers)
-  assert mha["all-reduce@model"]["tensors"] == 4 * LLAMA.num_layers + 5  # Megatron's count
+  # Megatron's count (the loss's two sums packed in one)
+  assert mha["all-reduce@model"]["tensors"] == 4 * LLAMA.num_layers + 4
   assert set(gqa) == set(mha) == {"all-reduce@model", "all-reduce@data"}, gqa
 
 
