@@ -200,14 +200,14 @@ def _explicit(q, k, v, mask, spec, keep):
   max, through one softmax, the sink's column dropped)."""
   b, s, h, d = q.shape
   t, g = k.shape[1], k.shape[2]
-  # grouped-query attention without copying k and v per query head: query head i reads
-  # kv head i // (h / g), so q's heads are split [g, h / g] and the scores joined back
   scale = 1.0 / jnp.sqrt(jnp.float32(d)) if spec.scale is None else spec.scale
   if g == h:
     # one query head per kv head: the plain form, whose transposes XLA:CPU folds into
     # the dots (the grouped form's size-1 group axis costs it a copy each way)
     scores = jnp.einsum("bqhk,bthk->bhqt", q, k, preferred_element_type=jnp.float32) * scale
   else:
+    # grouped-query attention without copying k and v per query head: query head i reads
+    # kv head i // (h / g), so q's heads are split [g, h / g] and the scores joined back
     grouped = q.reshape(b, s, g, h // g, d)
     scores = jnp.einsum("bqgrk,btgk->bgrqt", grouped, k,
                         preferred_element_type=jnp.float32).reshape(b, h, s, t) * scale
