@@ -1,7 +1,9 @@
 """The parallel transformer against models/reference.py from the same seed."""
 
 import collections
+import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -344,6 +346,42 @@ def test_scanned_train_step_does_not_grow_with_depth(meshes):
   scanned = lowered_step_lines(meshes, num_layers=2, scan_layers=True)
   assert lowered_step_lines(meshes, num_layers=5, scan_layers=True) == scanned
   assert lowered_step_lines(meshes, num_layers=5) > 2 * scanned
+
+
+def compiled_scalar_reductions(meshes, num_layers: int, grad_clip: float) -> int:
+  """The compiled train step's top-level ops that produce one f32 scalar (sums of squares,
+  the loss's sums, the clip's factor), on 2x4 with the tiny config's uneven sizes."""
+  cfg = dataclasses.replace(CFG, num_layers=num_layers)
+  trainer = Trainer(Transformer(cfg, mesh=meshes["2x4"], rngs=nnx.Rngs(0)),
+                    make_optimizer(lr=1e-3, steps=STEPS, grad_clip=grad_clip))
+  tokens = jax.ShapeDtypeStruct(TOKENS.shape, jnp.int32, sharding=trainer.batch_sharding)
+  hlo = trainer.train_step.lower(trainer.params, trainer.init_opt_state(trainer.params),
+                                 tokens, None).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):]
+  return len(re.findall(r"= f32\[\] (?:fusion|reduce)\(", entry))
+
+
+def test_the_step_takes_its_gradient_norm_once_from_the_packed_sums(meshes):
+  """The logged ``grad_norm`` is the logical norm of the step's gradients, and the step
+  computes it once (clipping takes the same one), from the packed data-parallel sums:
+  its scalar reductions do not grow with depth (one per param before) and clipping adds
+  none. Uneven sizes on 2x4: padding in every split param."""
+  model = Transformer(CFG, mesh=meshes["2x4"], rngs=nnx.Rngs(0))
+  trainer = Trainer(model, tx())
+  tokens = jax.device_put(TOKENS, trainer.batch_sharding)
+  _, grads = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
+  expected = flax_tp.logical_norm(grads)
+  params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
+  _, _, out = trainer.train_step(params, opt_state, tokens, None)
+  np.testing.assert_allclose(out["grad_norm"], expected, rtol=1e-6)
+  shallow = compiled_scalar_reductions(meshes, 1, grad_clip=0.0)
+  assert compiled_scalar_reductions(meshes, 3, grad_clip=0.0) == shallow
+  assert compiled_scalar_reductions(meshes, 3, grad_clip=1.0) == shallow
+
+
+def test_a_contiguous_norm_is_taken_inside_a_map_only():
+  with pytest.raises(ValueError, match="inside a shard_map"):
+    flax_tp.logical_norm({"w": jnp.ones(3)}, contiguous=True)
 
 
 @pytest.mark.parametrize("preset,mesh_spec,options,rows", [

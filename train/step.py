@@ -64,19 +64,22 @@ def make_optimizer(*, lr: float, steps: int, warmup_steps: int = 0,
   return optax.chain(clip_by_logical_norm(grad_clip), adamw) if grad_clip > 0 else adamw
 
 
-def clip_by_logical_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_logical_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
   """``optax.clip_by_global_norm`` (the same formula) with the norm of the logical
   gradients (``flax_tp.logical_norm``): padding adds nothing and a replicated kv head
-  counts once, so clipping scales the step as it does for the plain model."""
+  counts once, so clipping scales the step as it does for the plain model.
 
-  def update(updates, state, params=None):
-    del params
-    norm = flax_tp.logical_norm(updates)
+  ``update(..., grad_norm=)``: that norm, already computed (the ``Trainer`` step passes
+  the one it logs, so that it is computed once); without it, it is computed here."""
+
+  def update(updates, state, params=None, *, grad_norm=None, **extra_args):
+    del params, extra_args
+    norm = flax_tp.logical_norm(updates) if grad_norm is None else grad_norm
     keep = norm < max_norm
     return jax.tree.map(
         lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
 
-  return optax.GradientTransformation(optax.init_empty_state, update)
+  return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,19 +319,32 @@ class Trainer:
 
   def _train_step(self, params, opt_state, tokens, key):
     loss = functools.partial(self._local_loss, options=self.loss_options, with_aux=True)
+    value_and_grad = self._value_and_grad(loss, has_aux=True)
+
+    def local_step(params, tokens, key):
+      out, grads = value_and_grad(params, tokens, key)
+      # The gradients' logical norm, from the devices' shards where they are computed.
+      # Where their data-parallel sums travel packed (XLA:CPU, a batch axis of several
+      # devices) each set of axes' gradients are slices of one buffer, and their
+      # squares are summed as that buffer: a few reductions, not one per param (without
+      # the buffer, joining them would be a copy). The logged metric and clipping both
+      # take it.
+      packed = (self.packed_gradients is not None
+                and any(jax.lax.axis_size(a) > 1 for a in batch_axes()))
+      return out, grads, flax_tp.logical_norm(grads, contiguous=packed)
+
     # (The model's metrics and aux are global sums, the same on every device.)
-    (loss, (metrics, aux)), grads = self._map(self._value_and_grad(loss, has_aux=True),
-                                              ((P(), P()), self.trained_specs))(
-        params, tokens, key)
+    (loss, (metrics, aux)), grads, grad_norm = self._map(
+        local_step, ((P(), P()), self.trained_specs, P()))(params, tokens, key)
     trained = self.trained(params)
-    updates, opt_state = self.tx.update(grads, opt_state, trained)
+    updates, opt_state = optax.with_extra_args_support(self.tx).update(
+        grads, opt_state, trained, grad_norm=grad_norm)
     params = self.with_trained(params, optax.apply_updates(trained, updates))
     if self.bias_update_rate:
       params, spread = balance_selection_biases(params, aux["layer_loads"],
                                                 self.bias_update_rate)
       metrics["selection_bias_spread"] = spread
-    return params, opt_state, {"loss": loss, "grad_norm": flax_tp.logical_norm(grads),
-                               **metrics}
+    return params, opt_state, {"loss": loss, "grad_norm": grad_norm, **metrics}
 
   def _eval_loss(self, params, tokens):
     # Plain cross-entropy (no smoothing, no z-loss, no router losses): comparable
