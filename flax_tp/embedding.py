@@ -134,7 +134,13 @@ class VocabParallelEmbedding(_ParallelEmbed):
     local = ids - jnp.asarray(layout.offsets)[index]
     mine = (local >= 0) & (local < jnp.asarray(layout.sizes)[index])
     rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
-    rows = jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
+    # jnp.take (hence nnx.Embed) fills the rows of out-of-range ids. A float fill (NaN)
+    # is put in by every shard, so the sum carries it and no pass over the summed rows
+    # is needed; an integer fill is set after the sum, where it cannot overflow.
+    float_fill = jnp.issubdtype(rows.dtype, jnp.inexact)
+    elsewhere = (jnp.where(valid, jnp.zeros((), rows.dtype), _take_fill_value(rows.dtype))
+                 [..., None] if float_fill else jnp.zeros((), rows.dtype))
+    rows = jnp.where(mine[..., None], rows, elsewhere)
     if not scatter:
       rows = all_reduce(rows, "sum", self.axis_name)
     else:
@@ -144,10 +150,11 @@ class VocabParallelEmbedding(_ParallelEmbed):
             f"{tuple(ids.shape)} over {self.parallel_size} devices; pad it to a multiple of "
             f"{self.parallel_size}")
       rows = reduce_scatter(rows, axis=rows.ndim - 2, axis_name=self.axis_name)
+    if float_fill:
+      return rows
+    if scatter:  # this device's block of the tokens
       block = rows.shape[-2]
       valid = jax.lax.dynamic_slice_in_dim(valid, index * block, block, axis=-1)
-    # jnp.take (hence nnx.Embed) fills the rows of out-of-range ids; set after the
-    # sum, so that an integer fill does not overflow in it.
     return jnp.where(valid[..., None], rows, _take_fill_value(rows.dtype))
 
   def attend(self, query: Array, out_sharding: Any = None) -> Array:

@@ -60,8 +60,9 @@ def vocab_parallel_cross_entropy(
     return all_reduce(x, op, axis_name) if sharded else x
 
   logits = local_logits.astype(jnp.float32)
-  valid = layout.local_mask(index)
-  logits_valid = jnp.where(valid, logits, -jnp.inf)
+  # Padded columns are left out of the softmax; an even split has none to mask.
+  valid = None if layout.is_even else layout.local_mask(index)
+  logits_valid = logits if valid is None else jnp.where(valid, logits, -jnp.inf)
   # The max only stabilises the exponentials: lse is exact for any shift, so it
   # needs no derivative (and pmax has none).
   shift = reduce(jax.lax.stop_gradient(jnp.max(logits_valid, axis=-1)), "max")
@@ -73,7 +74,8 @@ def vocab_parallel_cross_entropy(
                                axis=-1)[..., 0]
   sums.append(jnp.where(mine, picked, 0.0))
   if label_smoothing:
-    sums.append(jnp.sum(jnp.where(valid, logits, 0.0), axis=-1))
+    sums.append(jnp.sum(logits_valid if valid is None else jnp.where(valid, logits, 0.0),
+                        axis=-1))
   # One all-reduce carries the sum of exponentials, the target logit and (smoothing)
   # the sum of all logits: each meeting of the devices costs more than its few bytes.
   sum_exp, target, *total = reduce(jnp.stack(sums), "sum")

@@ -84,6 +84,27 @@ def test_vocab_parallel_inside_shard_map_with_loss(meshes):
   assert_padding_zero(grads)
 
 
+@pytest.mark.parametrize("mesh_spec", ["2x4", "1x3"])
+def test_scattered_lookup_fills_bad_ids(meshes, mesh_spec):
+  """``sequence_parallel``: the summed rows scattered over the tokens, each device's
+  block equal to nnx.Embed's rows there, NaN rows for out-of-range ids included (every
+  shard puts the NaN in, so the reduce-scatter carries it), on an even and an uneven
+  vocabulary split."""
+  mesh = meshes[mesh_spec]
+  parts = mesh.shape["model"]
+  for vocab, features in SIZES:
+    layer = flax_tp.VocabParallelEmbedding(vocab, features, mesh=mesh, sequence_parallel=True,
+                                           rngs=nnx.Rngs(0))
+    ref = nnx.Embed(vocab, features, rngs=nnx.Rngs(0))
+    ids = jnp.tile(ids_for(vocab), (2, parts))  # [2, 8 * parts]: splits evenly
+    graphdef, state = nnx.split(layer)
+    rows = jax.jit(jax.shard_map(lambda s, i, g=graphdef: nnx.merge(g, s)(i), mesh=mesh,
+                                 in_specs=(nnx.get_partition_spec(state), P()),
+                                 out_specs=P(None, "model")))(state, ids)
+    np.testing.assert_array_equal(rows, ref(ids))
+    assert np.isnan(rows[:, 6:8]).all() and not np.isnan(rows[:, :6]).any()
+
+
 def test_parallel_embedding_local_shard(meshes):
   mesh = meshes["1x3"]
   layer = flax_tp.ParallelEmbedding(10, 7, mesh=mesh, gather_output=False, rngs=nnx.Rngs(0))
