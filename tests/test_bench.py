@@ -443,3 +443,24 @@ def test_pipeline_bench_counts_the_bytes_over_stage_and_the_bubble(tmp_path):
     assert row["step_s"] > 0 and row["param_bytes"] < results["baseline"]["param_bytes"]
   temps = {row["schedule"]: row["temp_bytes"] for row in results["rows"]}
   assert temps["1f1b"] < temps["gpipe"]
+
+
+def test_ab_checkouts_times_two_checkouts_in_one_process(tmp_path):
+  """bench/ab_checkouts.py imports each checkout's packages afresh into one process and
+  times their steps in turns (here this checkout against itself, and a path that is not a
+  checkout refused by name). A subprocess: the module swap must not touch this worker."""
+  import os
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  small = ["--layers", "1", "--d", "16", "--heads", "2", "--mlp", "32", "--vocab", "33",
+           "--seq", "8", "--batch", "4", "--repeats", "2", "--meshes", "2x2"]
+  run = subprocess.run([sys.executable, "-m", "bench.ab_checkouts", "--roots", f"{root},{root}",
+                        *small], cwd=root, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
+  [line] = run.stdout.splitlines()
+  assert line.startswith("2x2 ") and line.count(f"{root}: ") == 2 and "(1.000)" in line
+  bad = subprocess.run([sys.executable, "-m", "bench.ab_checkouts", "--roots", str(tmp_path)],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2 and "is not a flax_tp checkout" in bad.stderr
