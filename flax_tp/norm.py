@@ -51,8 +51,8 @@ def logical_norm(tree: Any, *, contiguous: bool = False) -> jax.Array:
   groups: dict[tuple, list] = {}
   parts = []
   replicated = []  # (contiguous, in a map) the params no axis splits, summed together
-  in_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
-  if contiguous and not in_map:
+  manual_axes = set(jax.sharding.get_abstract_mesh().manual_axes)  # inside a map: its axes
+  if contiguous and not manual_axes:
     raise ValueError("logical_norm(contiguous=True) sums slices of a buffer inside a "
                      "shard_map; outside one the params are separate global arrays")
   for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
@@ -81,7 +81,7 @@ def logical_norm(tree: Any, *, contiguous: bool = False) -> jax.Array:
         plain = [_sum_of_squares(v, None, None) for v in plain]
       return jax.lax.psum(sum(weighted + plain), axes)
     values = [m[0] for m in members]
-    if set(axes) <= set(jax.sharding.get_abstract_mesh().manual_axes):  # inside a map
+    if set(axes) <= manual_axes:  # inside a map
       parts.append(local_sum(*values))
       continue
     # jit: one program outside a trace (eager shard_map runs op by op); inlined inside.
