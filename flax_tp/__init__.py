@@ -11,6 +11,7 @@ from flax_tp.collectives import (
     shard_index,
 )
 from flax_tp.embedding import ParallelEmbedding, VocabParallelEmbedding
+from flax_tp.host_memory import keep_freed_host_memory
 from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_parallel
 from flax_tp.logical import load_unsharded, unshard
 from flax_tp.lora import LoRAConfig, add_adapters, add_lora
@@ -68,6 +69,7 @@ __all__ = [
     "explain_plan",
     "fused_column_parallel",
     "gather_to_parallel",
+    "keep_freed_host_memory",
     "kept_token_count",
     "load_balancing_loss",
     "KVHeadLayout",

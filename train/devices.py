@@ -15,9 +15,10 @@ def provide_cpu_devices(count: int) -> None:
   their collectives wait out a busy host (``CPU_COLLECTIVE_TIMEOUT_FLAG``), and gives
   them a thread pool with a spare thread per device (``flax_tp.mesh.cpu_thread_pool_size``,
   unless ``NPROC`` is set)."""
+  from flax_tp.host_memory import setting_problem
   from flax_tp.mesh import cpu_thread_pool_size, simulated_device_count
   flags = os.environ.get("XLA_FLAGS", "")
-  problem = xla_device_count_problem(flags)
+  problem = xla_device_count_problem(flags) or setting_problem()
   if problem:
     raise UsageError(problem)
   if "xla_force_host_platform_device_count" not in flags:

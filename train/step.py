@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_tp
 from flax_tp.data_parallel import batch_axes, gather_for_step
+from flax_tp.host_memory import keep_freed_host_memory
 from flax_tp.mesh import split_over
 from flax_tp.stack import stacked_layers
 from models.transformer import Transformer
@@ -155,6 +156,11 @@ class Trainer:
     # mesh's platform. None elsewhere: one all-reduce per param, XLA's to combine.
     self.packed_gradients = ((self.trained_filter or nnx.Param)
                              if self.mesh.devices.flat[0].platform == "cpu" else None)
+    # XLA:CPU mallocs each step's temporary buffers and frees them after; glibc's
+    # default policy returns them to the kernel, and every step page-faults them back
+    # (flax_tp.host_memory). False off CPU, off glibc, or turned off by the user.
+    self.keeps_freed_host_memory = (self.mesh.devices.flat[0].platform == "cpu"
+                                    and keep_freed_host_memory())
     # DeepSeek-V3's auxiliary-loss-free balancing: after each step every selection bias
     # moves by this rate toward its layer's mean load (balance_selection_biases).
     if not (isinstance(bias_update_rate, (int, float)) and 0 <= bias_update_rate < math.inf):
