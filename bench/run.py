@@ -116,8 +116,9 @@ def audit_step(cfg, mesh, compiled, params, batch: int, seq: int) -> dict[str, A
   if model.get("scalars"):
     excess.append({"what": "all-reduce of scalars over model", "tensors": model["scalars"],
                    "bytes": model["scalar_bytes"],
-                   "why": "gradient clipping: each param's partial squared norm (Megatron "
-                          "all-reduces the same); packed by XLA into one op"})
+                   "why": "the gradients' global norm (the logged grad_norm metric, which "
+                          "clipping takes too): the model-split params' partial sum of "
+                          "squares (Megatron all-reduces the same)"})
   for key, row in rows.items():
     if key not in ("all-reduce@model", "all-reduce@data"):
       excess.append({"what": key, "tensors": row["tensors"] + row["scalars"],

@@ -4,20 +4,21 @@ XLA:CPU allocates each executable's temporary buffer with ``malloc`` when a step
 starts and frees it when the step ends: one block per device and step, tens of MB
 at small sizes (20 MB per device at issue 41's 2x4 step, 32 MB at 1x8). glibc's
 default policy hands such blocks back to the kernel: a thread arena's emptied heap
-is unmapped, a heap's free top beyond the trim threshold is released. The next
-step then touches fresh pages, one page fault per 4 KiB: 3-22 thousand faults per
-step at those sizes, which cost 10-20% of the step on this 2-core machine and
-came and went with which threads' arenas the blocks landed in (BENCHMARKS.md §2,
-issue 41). A caching allocator is what a GPU framework keeps for the same reason.
+is unmapped, the main arena's free top beyond the trim threshold is released. The
+next step then touches fresh pages, one page fault per 4 KiB: 3-30 thousand faults
+per step at those sizes, which cost 10-20% of the step on a 2-core machine and came
+and went with which threads' arenas the blocks landed in (BENCHMARKS.md §2, issue
+41). A GPU framework keeps a caching allocator for the same reason.
 
 ``keep_freed_host_memory`` sets glibc's malloc so that freed blocks stay with the
 process: blocks up to 32 MiB come from the arenas (``M_MMAP_THRESHOLD``, the most
-glibc allows; larger ones are mapped and unmapped per step whatever the policy), the
-main arena's free top is not trimmed (``M_TRIM_THRESHOLD``) and a thread arena keeps
-its emptied heaps (``M_TOP_PAD`` of one whole heap). What the process has freed stays resident for its
-next allocation instead of going back to the system: the resident size stays at
-its high-water mark, as it does under a caching allocator. ``Trainer`` calls it
-for a CPU mesh; ``FLAX_TP_KEEP_FREED_MEMORY=0`` in the environment turns it off.
+glibc allows; larger ones are mapped and unmapped per step whatever the policy),
+the main arena's free top is not trimmed (``M_TRIM_THRESHOLD``) and a thread arena
+keeps its emptied heaps (``M_TOP_PAD`` of one whole heap). What the process has
+freed stays resident for its next allocation instead of going back to the system:
+the resident size stays at its high-water mark, as under a caching allocator.
+``Trainer`` calls it for a CPU mesh; ``FLAX_TP_KEEP_FREED_MEMORY=0`` in the
+environment turns it off.
 """
 
 from __future__ import annotations
