@@ -155,6 +155,19 @@ class Peer:
     return self.params, self.opt_state
 
 
+def _rotary(x_bshk, base: float):
+  """Half-split rotary at positions ``0 .. s-1``, computed in the step as a docs-style
+  GPT (and ``../shared/peers/gspmd_gpt.py``) computes it: flax_tp's ``ops.rotary``
+  before its tables became constants."""
+  s, k = x_bshk.shape[1], x_bshk.shape[-1]
+  inv_freq = 1.0 / (base ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+  angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq  # [s, k / 2]
+  cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
+  x1, x2 = jnp.split(x_bshk.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin],
+                         axis=-1).astype(x_bshk.dtype)
+
+
 class GPTBlock(nnx.Module):
   def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
     kernel, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
@@ -175,7 +188,7 @@ class GPTBlock(nnx.Module):
     b, s, _ = x_bsd.shape
     qkv = self.qkv(self.ln1(x_bsd)).reshape(b, s, cfg.num_heads, 3, cfg.head_dim)
     q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
-    q, k = ops.rotary(q, cfg.rope_base), ops.rotary(k, cfg.rope_base)
+    q, k = _rotary(q, cfg.rope_base), _rotary(k, cfg.rope_base)
     # attention written out as a docs-style GPT writes it (issue 41's peer,
     # ../shared/peers/gspmd_gpt.py): on XLA:CPU faster than jax.nn.dot_product_attention
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(cfg.head_dim))

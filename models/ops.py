@@ -7,10 +7,12 @@ Nothing here knows about devices. Dropout masks are keyed by *logical* position
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def inverse_frequencies(dim: int, base: float, scaling=None) -> tuple[jax.Array, float]:
@@ -54,6 +56,12 @@ def inverse_frequencies(dim: int, base: float, scaling=None) -> tuple[jax.Array,
   return inv_freq, scaling.attention_factor
 
 
+# The most table entries (positions x frequencies) a step holds as constants: 4 MiB
+# of float32 per table (a sequence of 16k at 128 rotated dims). A longer sequence
+# computes its angles in the step instead, to the same values.
+ROTARY_TABLE_LIMIT = 1 << 20
+
+
 def rotary(x: jax.Array, base: float, positions: jax.Array | None = None, *,
            scaling=None, rotary_dim: int | None = None) -> jax.Array:
   """Rotary position embedding. x: ``[b, s, h, k]`` -> same shape and dtype.
@@ -63,26 +71,53 @@ def rotary(x: jax.Array, base: float, positions: jax.Array | None = None, *,
   scaling: a ``RopeScaling`` (see ``inverse_frequencies``) or None; rotary_dim: how
   many leading dims of a head rotate (HF's partial rotary; the rest pass through),
   default all ``k``.
+
+  The inverse frequencies, and for positions ``0 .. s-1`` the whole cos/sin table, are
+  computed once when the step is traced and enter it as constants (``rotary_table``):
+  computed inside the step, XLA:CPU fuses them into every fusion that reads them and
+  evaluates ``sin``/``cos`` (and ``base ** x``) again in each, per device, per step,
+  about 4% of a small model's step. Traced positions (a cached step) rotate by the same
+  constant frequencies, so both give the same values.
   """
   s, k = x.shape[1], x.shape[-1]
   rotary_dim = k if rotary_dim is None else rotary_dim
-  if positions is None:
-    positions = jnp.arange(s)[None, :]
-  if scaling is None and rotary_dim == k:  # (kept op for op as before the families)
-    inv_freq = 1.0 / (base ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b | 1, s, k/2]
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin],
-                           axis=-1).astype(x.dtype)
-  inv_freq, attention_factor = inverse_frequencies(rotary_dim, base, scaling)
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq
-  sin = (jnp.sin(angles) * attention_factor)[:, :, None, :]
-  cos = (jnp.cos(angles) * attention_factor)[:, :, None, :]
+  if positions is None and s * (rotary_dim // 2) <= ROTARY_TABLE_LIMIT:
+    cos, sin = (jnp.asarray(t)[None, :, None, :]
+                for t in rotary_table(s, rotary_dim, base, scaling))
+  else:
+    inv_freq, attention_factor = _frequencies(rotary_dim, base, scaling)
+    if positions is None:
+      positions = jnp.arange(s)[None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b | 1, s, dim / 2]
+    cos = (jnp.cos(angles) * attention_factor)[:, :, None, :]
+    sin = (jnp.sin(angles) * attention_factor)[:, :, None, :]
   rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
   x1, x2 = jnp.split(rotated.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
   return jnp.concatenate([out, passed], axis=-1) if passed.shape[-1] else out
+
+
+@functools.lru_cache(maxsize=32)
+def _frequencies(dim: int, base: float, scaling) -> tuple[np.ndarray, float]:
+  """``inverse_frequencies`` evaluated once, on the host's values: the constants every
+  step (and every trace of one) multiplies positions by."""
+  with jax.ensure_compile_time_eval():
+    inv_freq, attention_factor = inverse_frequencies(dim, base, scaling)
+    return np.asarray(inv_freq), float(attention_factor)
+
+
+@functools.lru_cache(maxsize=32)
+def rotary_table(length: int, dim: int, base: float, scaling=None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """``(cos, sin)``, each ``[length, dim / 2]`` float32: rotary's factors at positions
+  ``0 .. length-1`` for ``dim`` rotated dims (``inverse_frequencies``' scaling and
+  attention factor applied), computed by JAX outside any step (the same values a step
+  computes from the same frequencies) and kept for the next trace."""
+  inv_freq, attention_factor = _frequencies(dim, base, scaling)
+  with jax.ensure_compile_time_eval():
+    angles = jnp.arange(length, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv_freq
+    return (np.asarray(jnp.cos(angles) * attention_factor),
+            np.asarray(jnp.sin(angles) * attention_factor))
 
 
 GATED = ("swiglu", "geglu")  # MLP kinds with a gate projection beside up
