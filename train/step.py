@@ -154,13 +154,12 @@ class Trainer:
     # On XLA:CPU the trained params' data-parallel gradient sums travel packed
     # (flax_tp.copy_all_to_parallel), as the dense layers pick their CPU matmul: by the
     # mesh's platform. None elsewhere: one all-reduce per param, XLA's to combine.
-    self.packed_gradients = ((self.trained_filter or nnx.Param)
-                             if self.mesh.devices.flat[0].platform == "cpu" else None)
+    on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+    self.packed_gradients = (self.trained_filter or nnx.Param) if on_cpu else None
     # XLA:CPU mallocs each step's temporary buffers and frees them after; glibc's
     # default policy returns them to the kernel, and every step page-faults them back
     # (flax_tp.host_memory). False off CPU, off glibc, or turned off by the user.
-    self.keeps_freed_host_memory = (self.mesh.devices.flat[0].platform == "cpu"
-                                    and keep_freed_host_memory())
+    self.keeps_freed_host_memory = on_cpu and keep_freed_host_memory()
     # DeepSeek-V3's auxiliary-loss-free balancing: after each step every selection bias
     # moves by this rate toward its layer's mean load (balance_selection_biases).
     if not (isinstance(bias_update_rate, (int, float)) and 0 <= bias_update_rate < math.inf):
