@@ -99,11 +99,12 @@ def rotary(x: jax.Array, base: float, positions: jax.Array | None = None, *,
 
 @functools.lru_cache(maxsize=32)
 def _frequencies(dim: int, base: float, scaling) -> tuple[np.ndarray, float]:
-  """``inverse_frequencies`` evaluated once, on the host's values: the constants every
-  step (and every trace of one) multiplies positions by."""
+  """``inverse_frequencies`` evaluated once, eagerly by JAX outside any step: the
+  constants every step (and every trace of one) multiplies positions by (read-only:
+  they are shared)."""
   with jax.ensure_compile_time_eval():
     inv_freq, attention_factor = inverse_frequencies(dim, base, scaling)
-    return np.asarray(inv_freq), float(attention_factor)
+    return _read_only(np.asarray(inv_freq)), float(attention_factor)
 
 
 @functools.lru_cache(maxsize=32)
@@ -112,12 +113,18 @@ def rotary_table(length: int, dim: int, base: float, scaling=None
   """``(cos, sin)``, each ``[length, dim / 2]`` float32: rotary's factors at positions
   ``0 .. length-1`` for ``dim`` rotated dims (``inverse_frequencies``' scaling and
   attention factor applied), computed by JAX outside any step (the same values a step
-  computes from the same frequencies) and kept for the next trace."""
+  computes from the same frequencies) and kept for the next trace (read-only)."""
   inv_freq, attention_factor = _frequencies(dim, base, scaling)
   with jax.ensure_compile_time_eval():
     angles = jnp.arange(length, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv_freq
-    return (np.asarray(jnp.cos(angles) * attention_factor),
-            np.asarray(jnp.sin(angles) * attention_factor))
+    return (_read_only(np.asarray(jnp.cos(angles) * attention_factor)),
+            _read_only(np.asarray(jnp.sin(angles) * attention_factor)))
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+  a = a.copy()
+  a.flags.writeable = False
+  return a
 
 
 GATED = ("swiglu", "geglu")  # MLP kinds with a gate projection beside up
