@@ -107,7 +107,9 @@ def _frequencies(dim: int, base: float, scaling) -> tuple[np.ndarray, float]:
     return _read_only(np.asarray(inv_freq)), float(attention_factor)
 
 
-@functools.lru_cache(maxsize=32)
+# A table per (length, dims, base, scaling): a run's train and eval lengths, a few
+# prompt lengths; at most 8 (64 MiB at the size limit) are kept.
+@functools.lru_cache(maxsize=8)
 def rotary_table(length: int, dim: int, base: float, scaling=None
                  ) -> tuple[np.ndarray, np.ndarray]:
   """``(cos, sin)``, each ``[length, dim / 2]`` float32: rotary's factors at positions
