@@ -15,14 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def inverse_frequencies(dim: int, base: float, scaling=None) -> tuple[jax.Array, float]:
-  """Rotary's inverse frequencies ``[dim / 2]`` (float32) for ``dim`` rotated dims, and
-  the factor cos/sin are scaled by: transformers' ``ROPE_INIT_FUNCTIONS`` for the
-  ``default``, ``linear``, ``llama3`` and ``yarn`` kinds, step for step in float32.
+def inverse_frequencies(dim: int, base: float, scaling=None) -> tuple[np.ndarray, float]:
+  """Rotary's inverse frequencies ``[dim / 2]`` (float32, on the host) for ``dim``
+  rotated dims, and the factor cos/sin are scaled by: transformers'
+  ``ROPE_INIT_FUNCTIONS`` for the ``default``, ``linear``, ``llama3`` and ``yarn`` kinds,
+  step for step in float32 as it computes them (NumPy keeps float32 with Python
+  scalars). Constants of any step that uses them: nothing here is traced or compiled.
 
   scaling: a ``models.config.RopeScaling`` or None (plain rotary).
   """
-  inv_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
   if scaling is None:
     return inv_freq, 1.0
   factor = scaling.factor
@@ -32,11 +34,11 @@ def inverse_frequencies(dim: int, base: float, scaling=None) -> tuple[jax.Array,
     old = scaling.original_max_len
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    scaled = jnp.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
     smooth = (old / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-    return jnp.where(medium, smoothed, scaled), 1.0
+    return np.where(medium, smoothed, scaled), 1.0
   # yarn: extrapolated (plain) frequencies on the fast dims, interpolated (/ factor) on
   # the slow ones, a linear ramp between the correction dims.
   def correction_dim(rotations):
@@ -48,9 +50,9 @@ def inverse_frequencies(dim: int, base: float, scaling=None) -> tuple[jax.Array,
   low, high = max(low, 0), min(high, dim - 1)
   if low == high:
     high += 0.001  # (transformers': prevents a zero-width ramp)
-  ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
   extrapolation = 1 - ramp
-  pos_freqs = base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+  pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
   inv_freq = ((1.0 / (factor * pos_freqs)) * (1 - extrapolation)
               + (1.0 / pos_freqs) * extrapolation)
   return inv_freq, scaling.attention_factor
@@ -72,12 +74,13 @@ def rotary(x: jax.Array, base: float, positions: jax.Array | None = None, *,
   many leading dims of a head rotate (HF's partial rotary; the rest pass through),
   default all ``k``.
 
-  The inverse frequencies, and for positions ``0 .. s-1`` the whole cos/sin table, are
-  computed once when the step is traced and enter it as constants (``rotary_table``):
-  computed inside the step, XLA:CPU fuses them into every fusion that reads them and
-  evaluates ``sin``/``cos`` (and ``base ** x``) again in each, per device, per step,
-  about 4% of a small model's step. Traced positions (a cached step) rotate by the same
-  constant frequencies, so both give the same values.
+  The inverse frequencies, and for positions ``0 .. s-1`` the whole cos/sin table
+  (``rotary_table``), are computed on the host and enter the step as constants: computed
+  inside the step, XLA:CPU fuses them into every fusion that reads them and evaluates
+  ``pow``, ``sin`` and ``cos`` again in each, per device, per step (about 4% of a small
+  model's step). Traced positions (a cached step) multiply the same constant frequencies
+  and take XLA's ``sin``/``cos`` of the same float32 angles, which agree with the
+  table's (rounded from float64) to a few units in the last place.
   """
   s, k = x.shape[1], x.shape[-1]
   rotary_dim = k if rotary_dim is None else rotary_dim
@@ -99,12 +102,9 @@ def rotary(x: jax.Array, base: float, positions: jax.Array | None = None, *,
 
 @functools.lru_cache(maxsize=32)
 def _frequencies(dim: int, base: float, scaling) -> tuple[np.ndarray, float]:
-  """``inverse_frequencies`` evaluated once, eagerly by JAX outside any step: the
-  constants every step (and every trace of one) multiplies positions by (read-only:
-  they are shared)."""
-  with jax.ensure_compile_time_eval():
-    inv_freq, attention_factor = inverse_frequencies(dim, base, scaling)
-    return _read_only(np.asarray(inv_freq)), float(attention_factor)
+  """``inverse_frequencies``, computed once per rotary and shared (read-only)."""
+  inv_freq, attention_factor = inverse_frequencies(dim, base, scaling)
+  return _read_only(np.asarray(inv_freq, np.float32)), float(attention_factor)
 
 
 # A table per (length, dims, base, scaling): a run's train and eval lengths, a few
@@ -112,19 +112,20 @@ def _frequencies(dim: int, base: float, scaling) -> tuple[np.ndarray, float]:
 @functools.lru_cache(maxsize=8)
 def rotary_table(length: int, dim: int, base: float, scaling=None
                  ) -> tuple[np.ndarray, np.ndarray]:
-  """``(cos, sin)``, each ``[length, dim / 2]`` float32: rotary's factors at positions
-  ``0 .. length-1`` for ``dim`` rotated dims (``inverse_frequencies``' scaling and
-  attention factor applied), computed by JAX outside any step (the same values a step
-  computes from the same frequencies) and kept for the next trace (read-only)."""
+  """``(cos, sin)``, each ``[length, dim / 2]`` float32 on the host: rotary's factors at
+  positions ``0 .. length-1`` for ``dim`` rotated dims (``inverse_frequencies``' scaling
+  and attention factor applied). The float32 angles a step would form (position times
+  frequency), their cos and sin computed in float64 and rounded to float32, times the
+  factor in float32; kept for the next trace (read-only)."""
   inv_freq, attention_factor = _frequencies(dim, base, scaling)
-  with jax.ensure_compile_time_eval():
-    angles = jnp.arange(length, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv_freq
-    return (_read_only(np.asarray(jnp.cos(angles) * attention_factor)),
-            _read_only(np.asarray(jnp.sin(angles) * attention_factor)))
+  angles = np.arange(length, dtype=np.float32)[:, None] * inv_freq  # float32 products
+  factor = np.float32(attention_factor)
+  return (_read_only(np.cos(angles.astype(np.float64)).astype(np.float32) * factor),
+          _read_only(np.sin(angles.astype(np.float64)).astype(np.float32) * factor))
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
-  a = a.copy()
+  a = np.array(a, copy=True)
   a.flags.writeable = False
   return a
 
