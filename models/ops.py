@@ -60,7 +60,7 @@ def inverse_frequencies(dim: int, base: float, scaling=None) -> tuple[np.ndarray
 
 # The most table entries (positions x frequencies) a step holds as constants: 4 MiB
 # of float32 per table (a sequence of 16k at 128 rotated dims). A longer sequence
-# computes its angles in the step instead, to the same values.
+# computes its cos/sin in the step instead, from the same angles (within an ulp).
 ROTARY_TABLE_LIMIT = 1 << 20
 
 
