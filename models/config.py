@@ -643,6 +643,64 @@ PRESETS: dict[str, dict] = {
                      d_ff=90, num_layers=2, max_seq_len=16, num_experts=6,
                      experts_per_token=2, router_aux_loss_coef=0.02, family="mixtral",
                      **_LLAMA),
+    # The 2026 families at test size, each its release's architecture over the byte
+    # vocabulary, with sizes that divide neither 4 nor 8 (as llama-tiny's): a newcomer's
+    # `--preset NAME-tiny --mesh 2x4` trains, generates and exports in seconds. The
+    # shapes are tests/fixtures/hf's (made against transformers).
+    # DeepSeek-V3: latent attention, yarn, the first layer dense then top-3 of 9 sigmoid
+    # experts from the best 2 of 3 groups, a shared expert, loss-free balancing biases.
+    "deepseek-v3-tiny": dict(vocab_size=259, d_model=24, num_heads=6, head_dim=10, d_ff=38,
+                             num_layers=2, max_seq_len=16, tie_embeddings=False,
+                             **{**_LLAMA, "norm_eps": 1e-6}, kv_lora_rank=10, q_lora_rank=7,
+                             qk_rope_head_dim=4, v_head_dim=5, rope_interleave=True,
+                             # (mscale 1, mscale_all_dim 0.8, as the fixture's config)
+                             rope_scaling=RopeScaling(
+                                 "yarn", 4.0, original_max_len=8,
+                                 attention_factor=(0.1 * math.log(4.0) + 1)
+                                 / (0.08 * math.log(4.0) + 1)),
+                             attn_scale=10 ** -0.5 * (0.08 * math.log(4.0) + 1.0) ** 2,
+                             family="deepseek_v3", num_experts=9, experts_per_token=3,
+                             expert_d_ff=14, shared_expert_d_ff=28, shared_expert_gated=False,
+                             moe_layers=(1,), router_score="sigmoid",
+                             router_selection_bias=True, expert_groups=3,
+                             expert_groups_per_token=2, routed_scale=2.5),
+    # GLM-4.5: grouped-query attention with q/k norms and qkv biases, rotary on half of
+    # each head, DeepSeek-V3's experts after a dense first layer.
+    "glm4.5-tiny": dict(vocab_size=259, d_model=24, num_heads=6, num_kv_heads=2, head_dim=8,
+                        d_ff=38, num_layers=2, max_seq_len=16, tie_embeddings=False,
+                        **{**_LLAMA, "norm_eps": 1e-6, "qkv_bias": True}, rotary_fraction=0.5,
+                        qk_norm=True, family="glm4_moe", num_experts=9, experts_per_token=3,
+                        expert_d_ff=14, shared_expert_d_ff=28, shared_expert_gated=False,
+                        moe_layers=(1,), router_score="sigmoid", router_selection_bias=True,
+                        expert_groups=3, expert_groups_per_token=2, routed_scale=2.5),
+    # GPT-OSS: sinks, biases, sliding and full layers alternating, yarn, top-2 of 6
+    # biased, clamped experts by a biased router in every layer.
+    "gpt-oss-tiny": dict(vocab_size=259, d_model=24, num_heads=6, num_kv_heads=2, head_dim=4,
+                         d_ff=38, num_layers=2, max_seq_len=16, tie_embeddings=False,
+                         **{**_LLAMA, "norm_eps": 1e-6, "qkv_bias": True,
+                            "attn_out_bias": True}, attn_sinks=True,
+                         rope_scaling=RopeScaling("yarn", 4.0, original_max_len=8,
+                                                  truncate=False,
+                                                  attention_factor=0.1 * math.log(4.0) + 1),
+                         layer_types=(SLIDING, FULL), sliding_window=4, family="gpt_oss",
+                         num_experts=6, experts_per_token=2, router_aux_loss_coef=0.1,
+                         router_bias=True, expert_bias=True, swiglu_limit=0.8),
+    # OLMo 2: q/k norms over the whole projection, norms after attention and the MLP only.
+    "olmo2-tiny": dict(vocab_size=259, d_model=24, num_heads=6, num_kv_heads=2, head_dim=4,
+                       d_ff=38, num_layers=2, max_seq_len=16, tie_embeddings=False,
+                       **{**_LLAMA, "rope_base": 500_000.0, "norm_eps": 1e-6,
+                          "qkv_bias": True, "attn_out_bias": True}, qk_norm=True,
+                       qk_norm_span="projection", sandwich_norm=True, pre_norm=False,
+                       family="olmo2"),
+    # OLMo 3: OLMo 2's norms, sliding (base 10000) and full (yarn, base 500000) layers.
+    "olmo3-tiny": dict(vocab_size=259, d_model=24, num_heads=6, num_kv_heads=2, head_dim=4,
+                       d_ff=38, num_layers=2, max_seq_len=16, tie_embeddings=False,
+                       **{**_LLAMA, "rope_base": 500_000.0, "norm_eps": 1e-6},
+                       rope_scaling=RopeScaling("yarn", 4.0, original_max_len=8,
+                                                attention_factor=0.1 * math.log(4.0) + 1),
+                       rope_local_base=10_000.0, qk_norm=True, qk_norm_span="projection",
+                       layer_types=(SLIDING, FULL), sliding_window=4, sandwich_norm=True,
+                       pre_norm=False, family="olmo3"),
     # Benchmark sizes (untied head, 32000-token vocabulary): ~125M and ~336M params.
     "llama-125m": dict(vocab_size=32000, d_model=768, num_heads=12, num_kv_heads=4,
                        head_dim=64, d_ff=2048, num_layers=12, max_seq_len=1024,

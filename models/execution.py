@@ -68,6 +68,11 @@ class Execution:
   microbatches: int = 1
   pipeline_schedule: str = "gpipe"
   pipeline_repeats: int | None = None
+  # False: a "stage" axis splits no layer; every stage holds them all, replicated (what
+  # ``unpipeline`` leaves). The KV-cached decoder and an export run the layers one by one,
+  # so train/generate.py and train/export.py build so, a model mixing dense and expert
+  # layers (which no pipeline holds) included.
+  pipelined: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "expert_axes", flax_tp.MeshAxes.expert_roles(self.expert_axes))
@@ -130,7 +135,7 @@ def apply(model: Any, execution: Execution) -> None:
   FSDP leaves replicated over ``"data"`` are read back from their records where they are
   reported, after a checkpoint or HF weights are loaded too.)"""
   set_sequence_parallel(model, execution.sequence_parallel)
-  stages = flax_tp.MeshAxes.of(model.mesh).stage
+  stages = flax_tp.MeshAxes.of(model.mesh).stage if execution.pipelined else 1
   if stages > 1 and not execution.scan_layers:  # a pipeline's stages hold stacked layers
     execution = dataclasses.replace(execution, scan_layers=True)
   if execution.scan_layers:

@@ -189,3 +189,29 @@ def logical_arrays(state) -> dict[str, np.ndarray]:
   (``flax_tp.unshard``: padding stripped, stacked layers one by one)."""
   return {".".join(map(str, k)): np.asarray(v[...])
           for k, v in nnx.to_flat_state(flax_tp.unshard(state))}
+
+
+def rewrite_safetensors(path, edit) -> None:
+  """Rewrites a safetensors file from its bytes, with no framework (FP8 needs no torch):
+  ``edit(tensors)`` changes ``{name: (dtype, shape, bytes)}`` in place (drop an entry, cut
+  one); the header's metadata is kept."""
+  import json
+  path = Path(path)
+  raw = path.read_bytes()
+  size = int.from_bytes(raw[:8], "little")
+  header = json.loads(raw[8:8 + size])
+  metadata = header.pop("__metadata__", None)
+  data = raw[8 + size:]
+  tensors = {name: (e["dtype"], list(e["shape"]), data[e["data_offsets"][0]:e["data_offsets"][1]])
+             for name, e in header.items()}
+  edit(tensors)
+  out, blobs, offset = {}, [], 0
+  if metadata is not None:
+    out["__metadata__"] = metadata
+  for name, (dtype, shape, blob) in tensors.items():
+    out[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
+    blobs.append(blob)
+    offset += len(blob)
+  text = json.dumps(out).encode()
+  text += b" " * (-len(text) % 8)
+  path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))

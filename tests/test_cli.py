@@ -256,6 +256,8 @@ def test_no_blank_line_before_an_error_on_a_cold_cache(tmp_path, monkeypatch, ca
     (["--preset", "deepseek-v3"], "--preset deepseek-v3 is DeepSeek-V3's 671B params (7.3 "
      "TiB with AdamW in float32): its shapes are for the benchmarks' abstract compiles"),
     (["--expert-axes", "data,model"], "--expert-axes data,model is for a model with experts"),
+    (["--lora-rank", "4", "--router-bias-rate", "0.001"], "--router-bias-rate 0.001 moves "
+     "routers' selection biases, which --lora-rank freezes"),
     (["--expert-axes", "context"], "--expert-axes: bad expert axes 'context': no 'data'"),
     (["--expert-axes", "data,stage"], "unknown role 'stage'"),
     (["--lora-rank", "4", "--lora-targets", "no.such"], "--lora-targets: LoRA target "
@@ -272,6 +274,20 @@ def test_more_bad_values_exit_2_with_one_line(capsys, argv, message):
   assert main(argv) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and message in err and err.startswith("train/run.py: error: ")
+
+
+@pytest.mark.parametrize("inside", ["4/meta.json", ".tmp-5/m.jsonl", ".flax_tp-run.lock"])
+def test_a_metrics_file_inside_the_checkpoints_is_refused(tmp_path, capsys, inside):
+  """Appending metrics to a step's meta.json (or anything the checkpointer owns) would
+  corrupt it: exit 2, one line, before any work; a file beside the step folders is fine."""
+  ck = tmp_path / "ck"
+  (ck / "4").mkdir(parents=True)
+  (ck / "4" / "meta.json").write_text("{}")
+  (ck / ".tmp-5").mkdir()
+  assert main(["--checkpoint-dir", str(ck), "--metrics-file", str(ck / inside)]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "which the run's checkpoints own" in err, err
+  assert (ck / "4" / "meta.json").read_text() == "{}"
 
 
 @pytest.mark.slow

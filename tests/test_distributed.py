@@ -116,6 +116,21 @@ def test_lora_across_two_processes_equals_one(tmp_path, corpus):
   np.testing.assert_allclose(losses(two), losses(one), rtol=1e-5)
 
 
+@pytest.mark.parametrize("mesh_flags,spans", [
+    (["--mesh", "2x2x2"], "the context axis stays inside a process"),
+    (["--mesh", "stage=2,data=2,model=2", "--microbatches", "2", "--pipeline-schedule", "1f1b"],
+     "the stage axis spans a process")])
+def test_a_context_or_stage_axis_across_two_processes_equals_one(tmp_path, corpus, mesh_flags,
+                                                                  spans):
+  """Three-axis meshes over two processes (the first axis spans them): the start-up report
+  says which axis crosses processes, and the losses are the single process's."""
+  flags = [*FLAGS, "--preset", "llama-tiny", *mesh_flags, "--steps", "3", "--data", corpus]
+  stdout, two, one = two_processes_and_one(tmp_path, flags)
+  assert spans in stdout, stdout
+  assert len(losses(two)) == 3
+  np.testing.assert_allclose(losses(two), losses(one), rtol=1e-5)
+
+
 def _wait_for_steps(launcher, metrics, steps: int) -> None:
   """Until the launched run's metrics file holds ``steps`` losses (bounded: 120 s)."""
   deadline = time.time() + 120

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import fine_tune_folder
+from helpers import fine_tune_folder, rewrite_safetensors
 
 import flax_tp
 from models.config import FULL, SLIDING, RopeScaling, TransformerConfig
@@ -638,14 +638,17 @@ def test_an_fp8_checkpoint_is_dequantized_exactly(tmp_path, meshes, mesh_spec):
     ("scale shape", "model.layers.0.mlp.down_proj.weight_scale_inv"),
 ])
 def test_an_fp8_weight_without_its_scales_is_refused_naming_it(tmp_path, meshes, how, named):
-  from safetensors.torch import load_file, save_file
   folder = _copy("deepseek_v3_fp8", tmp_path / "m")
-  tensors = load_file(folder / "model.safetensors")
-  if how == "no scale":
-    del tensors[named + "_scale_inv"]
-  else:
-    tensors[named] = tensors[named][:, :-1].contiguous()
-  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+  def edit(tensors):
+    if how == "no scale":
+      del tensors[named + "_scale_inv"]
+    else:  # one column fewer: the scale no longer covers the weight's blocks
+      dtype, (rows, cols), blob = tensors[named]
+      width = len(blob) // (rows * cols)
+      cut = np.frombuffer(blob, np.uint8).reshape(rows, cols * width)[:, :-width]
+      tensors[named] = (dtype, [rows, cols - 1], cut.tobytes())
+  rewrite_safetensors(folder / "model.safetensors", edit)
   with pytest.raises(HFConfigError) as err:
     load_hf(folder, meshes["1x2"])
   assert named in str(err.value) and "\n" not in str(err.value)

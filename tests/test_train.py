@@ -1,6 +1,7 @@
 """Training through the CLI's main(): mesh independence, dropout, resume, checkpoints."""
 
 import json
+import re
 import shutil
 
 import jax
@@ -135,18 +136,41 @@ def test_checkpoint_moves_across_meshes_exactly(tmp_path, meshes):
   assert np.isfinite(float(out["loss"]))
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, capsys):
-  ck = tmp_path / "ck"
-  argv = ["--preset", "tiny", "--mesh", "1x2", "--batch-size", "8", "--seq-len", "16",
-          "--steps", "6", "--lr", "1e30", "--grad-clip", "0", "--warmup-steps", "0",
-          "--eval-every", "0", "--sample-length", "0", "--data", corpus,
-          "--checkpoint-dir", str(ck), "--checkpoint-every", "1"]
+@pytest.mark.parametrize("flags,what,last", [
+    (["--preset", "tiny", "--steps", "6", "--grad-clip", "0", "--warmup-steps", "0"], "loss", 1),
+    # the issue's run: clipped (the default), the gradient norm goes first, the loss finite
+    (["--preset", "llama-tiny", "--steps", "3"], "gradient norm", 2),
+    (["--preset", "tiny", "--steps", "6", "--eval-every", "1"], "eval loss", 1)])
+def test_a_non_finite_step_stops_and_nothing_non_finite_is_saved(tmp_path, corpus, capsys,
+                                                                 flags, what, last):
+  """lr 1e30: the run stops with exit 1 at the first non-finite loss, gradient norm or eval
+  loss, before that step is applied or saved; every checkpoint left holds finite params,
+  the last stays the last good one, and the metrics file is strict JSON (a non-finite
+  number is null)."""
+  ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+  argv = ["--mesh", "1x2", "--batch-size", "8", "--seq-len", "16", "--lr", "1e30",
+          "--eval-every", "0", "--sample-length", "0", "--data", corpus, "--checkpoint-dir",
+          str(ck), "--checkpoint-every", "1", "--metrics-file", str(metrics), *flags]
   assert main(argv) == 1
   err = capsys.readouterr().err
-  assert "loss is nan" in err or "loss is inf" in err
-  last = Checkpointer(ck).latest_step()
-  assert last is not None and f"last good checkpoint: step {last}" in err
-  assert not (ck / "6").exists()
+  assert re.search(rf"error: {what} is (nan|inf|-inf) at step {last + 1}; stopping", err), err
+  checkpointer = Checkpointer(ck)
+  assert checkpointer.latest_step() == last and f"last good checkpoint: step {last}" in err
+  for step in checkpointer.steps():
+    assert all(np.isfinite(p).all() for p in _saved_params(ck, step)), step
+  records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+             for line in metrics.read_text().splitlines()]
+  assert records[-1]["error"].startswith("non-finite") and None in records[-1].values()
+
+
+def _saved_params(ck, step) -> list[np.ndarray]:
+  """The params of checkpoint ``step`` (read through ``Checkpointer.restore``)."""
+  from models.config import FLAT_FIELDS
+  config = Checkpointer(ck).read_meta(step)["run"]["config"]
+  cfg = TransformerConfig.from_identity({k: v for k, v in config.items() if k in FLAT_FIELDS})
+  model = Transformer(cfg, mesh=flax_tp.make_mesh("1x2"), rngs=nnx.Rngs(0))
+  restored, _ = Checkpointer(ck).restore({"params": nnx.state(model, nnx.Param)}, step)
+  return [np.asarray(v[...]) for _, v in nnx.to_flat_state(restored["params"])]
 
 
 @pytest.mark.slow

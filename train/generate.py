@@ -101,7 +101,7 @@ def load_from_hf(args, mesh):
   try:
     _, tokenizer = hf_model_and_tokenizer(args.hf, overrides, flag="--hf")
     if args.adapter is None:
-      model = load_hf(args.hf, mesh, **overrides)
+      model = load_hf(args.hf, mesh, execution=decoding(), **overrides)
   except (HFConfigError, ValueError, OSError) as err:
     raise UsageError(f"--hf {args.hf!r}: {err}") from None
   if args.adapter is not None:
@@ -125,11 +125,20 @@ def eos_ids(folder: Path) -> list[int]:
   return []
 
 
+def decoding():
+  """The ``Execution`` generate and export build with: no pipeline on a mesh's stage axis
+  (the decoder and the export run the layers one by one; every stage holds them all)."""
+  from models.execution import Execution
+  return Execution(pipelined=False)
+
+
 def load_from_checkpoint(args, mesh):
   """(model, tokenizer, eos ids) of a train/run.py checkpoint directory."""
   from flax import nnx
 
   from flax_tp.checkpoint import Checkpointer, CheckpointError
+  from flax_tp.checkpoint.checkpointer import non_finite
+  from flax_tp.checkpoint.keys import flat_leaves
   from models.config import FLAT_FIELDS, TransformerConfig
   from train.data import ByteTokenizer, HFTokenizer
   checkpointer = Checkpointer(args.checkpoint)
@@ -167,6 +176,11 @@ def load_from_checkpoint(args, mesh):
     restored, _ = checkpointer.restore({"params": nnx.state(model, held)}, args.step)
   except CheckpointError as err:
     raise UsageError(f"--checkpoint: {err}") from None
+  bad = non_finite(flat_leaves(restored))
+  if bad:  # saved before flax_tp refused to save a diverged run's state
+    raise UsageError(f"--checkpoint {args.checkpoint!r}: step {meta.get('step', args.step)} "
+                     f"holds NaN or infinity in {len(bad)} param(s) ({bad[0]}, ...): the run "
+                     "diverged; use an earlier --step")
   nnx.update(model, restored["params"])
   eos = eos_ids(Path(run["init_from"])) if run.get("init_from") else []
   return model, tokenizer, eos
@@ -181,13 +195,15 @@ def _model_of_run(args, run: dict, cfg, mesh):
   lora = lora_of_run(run)
   seed = int(run.get("seed", 0))
   if lora is None or not run.get("init_from"):
-    return build_run_model(cfg, mesh=mesh, seed=seed if lora else 0, lora=lora)
+    return build_run_model(cfg, mesh=mesh, seed=seed if lora else 0, lora=lora,
+                           execution=decoding())
   base = Path(run["init_from"])
   if not (base / "config.json").is_file():
     raise UsageError(f"--checkpoint {args.checkpoint!r}: its LoRA adapters' base "
                      f"{str(base)!r} is gone")
   try:
-    model = build_run_model(cfg, mesh=mesh, seed=seed, init_from=base, lora=lora)
+    model = build_run_model(cfg, mesh=mesh, seed=seed, init_from=base, lora=lora,
+                            execution=decoding())
   except (ValueError, OSError) as err:
     raise UsageError(f"--checkpoint {args.checkpoint!r}: its base {str(base)!r}: {err}"
                      ) from None
@@ -229,7 +245,6 @@ def run(args: argparse.Namespace) -> int:
   import numpy as np
 
   import flax_tp
-  from models.execution import unpipeline
   from models.generate import stream
   try:
     mesh = flax_tp.make_mesh(args.mesh)
@@ -237,7 +252,6 @@ def run(args: argparse.Namespace) -> int:
     raise UsageError(str(err)) from None
   started = time.perf_counter()
   model, tokenizer, eos = (load_from_hf if args.hf else load_from_checkpoint)(args, mesh)
-  model = unpipeline(model)  # a mesh with a stage axis: the decoder runs layer by layer
   prompt = tokenizer.encode(args.prompt.encode(), special_tokens=True)
   prompt = np.asarray(prompt, np.int32)[None]
   longest = prompt.shape[1] + args.max_new_tokens

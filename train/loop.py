@@ -142,16 +142,20 @@ class _Run(SetUp):
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, step)
         new_params, new_opt_state, out = trainer.train_step(self.params, self.opt_state,
                                                             tokens, key)
-        self.loss = loss = float(out["loss"])
-        if not math.isfinite(loss):
-          return self._stop_at_non_finite(metrics, step, progress)
+        # (A step that is not finite came back unapplied: these are the last good state.)
         self.params, self.opt_state = new_params, new_opt_state
+        self.loss = loss = float(out["loss"])
+        grad_norm = float(out["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+          what = "loss" if not math.isfinite(loss) else "gradient norm"
+          return self._stop_at_non_finite(metrics, progress, step + 1, what,
+                                          {"loss": loss, "grad_norm": grad_norm})
         elapsed = time.perf_counter() - t0
         if step > start:  # the first step compiles
           timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
           self.rate = tokens_per_step * timed_steps / timed_seconds
         done = step + 1
-        record = {"step": done, "loss": loss, "grad_norm": float(out["grad_norm"]),
+        record = {"step": done, "loss": loss, "grad_norm": grad_norm,
                   "tokens_per_s": round(self.rate, 1), "step_time_s": round(elapsed, 4)}
         if "expert_load" in out:  # mixture of experts: the router's figures
           record.update(router_aux_loss=float(out["router_aux_loss"]),
@@ -162,6 +166,9 @@ class _Run(SetUp):
           record["selection_bias_spread"] = float(out["selection_bias_spread"])
         if (schedule.eval_every and done % schedule.eval_every == 0) or done == steps:
           self.last_eval = record["eval_loss"] = self.evaluate()
+          if not math.isfinite(self.last_eval):  # these params are not saved
+            return self._stop_at_non_finite(metrics, progress, done, "eval loss",
+                                            {"eval_loss": self.last_eval})
           progress.console.print(f"step {done}: train loss {loss:.4f}, eval loss "
                                  f"{self.last_eval:.4f}")
         metrics.write(record)
@@ -174,16 +181,20 @@ class _Run(SetUp):
     self.finish_saves()
     return None
 
-  def _stop_at_non_finite(self, metrics: MetricsWriter, step: int, progress: Progress) -> int:
-    """A NaN/inf loss: the run stops, keeping the last good checkpoint (exit status 1)."""
+  def _stop_at_non_finite(self, metrics: MetricsWriter, progress: Progress, step: int,
+                          what: str, values: dict[str, float]) -> int:
+    """A NaN/inf ``what`` (loss, gradient norm, eval loss; ``values`` its step's figures)
+    at ``step``: the run stops (exit status 1) with nothing of that step saved; the last
+    checkpoint stays the last good one."""
     self.finish_saves()
     last = self.checkpointer.latest_step() if self.checkpointer else None
     kept = (f"last good checkpoint: step {last} in {self.job.checkpoint.dir!r}"
             if last is not None else "no checkpoint was written")
     progress.stop()
-    self.errors.print(f"error: loss is {self.loss} at step {step + 1}; stopping ({kept})",
-                      markup=False)
-    metrics.write({"step": step + 1, "loss": self.loss, "error": "non-finite loss"})
+    value = values["grad_norm" if what == "gradient norm" else what.replace(" ", "_")]
+    self.errors.print(f"error: {what} is {value} at step {step}; stopping, step {step} not "
+                      f"saved ({kept})", markup=False)
+    metrics.write({"step": step, **values, "error": f"non-finite {what}"})
     return 1
 
   def _stop_at_signal(self, done: int, interrupts: Interrupts) -> int:

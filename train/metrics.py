@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -33,13 +34,24 @@ class MetricsWriter:
     self.file = open(path, "a", encoding="utf-8")
 
   def write(self, record: dict[str, Any]) -> None:
+    """(A NaN or infinity is written as ``null``: JSON has no such number.)"""
     if self.file:
-      self.file.write(json.dumps(record) + "\n")
+      self.file.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
       self.file.flush()
 
   def close(self) -> None:
     if self.file:
       self.file.close()
+
+
+def _finite_or_null(value: Any) -> Any:
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {k: _finite_or_null(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_finite_or_null(v) for v in value]
+  return value
 
 
 def _drop_records_after(path: Path, step: int) -> None:

@@ -32,10 +32,12 @@ from train.errors import (
 if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there is one line
   exit_on_interrupt("train/run.py")
 
+from flax_tp.checkpoint.ownership import OWN_FOLDER
 from flax_tp.context import STRATEGIES as CONTEXT_STRATEGIES
 from flax_tp.mesh import MeshAxes
 from flax_tp.pipeline import SCHEDULES
 from flax_tp.remat import REMAT_CHOICES
+from flax_tp.run_lock import LOCK_NAME
 from models.config import ABSTRACT_ONLY, TransformerConfig
 from models.execution import Execution
 from train import distributed as train_distributed
@@ -233,6 +235,10 @@ def check_args(args: argparse.Namespace) -> None:
   if lora_flags and not args.lora_rank:
     raise UsageError(f"{lora_flags[0]} needs --lora-rank (without it the run fine-tunes "
                      "every param)")
+  if args.lora_rank and args.router_bias_rate:  # (Trainer says so too, after the build)
+    raise UsageError(f"--router-bias-rate {args.router_bias_rate:g} moves routers' selection "
+                     "biases, which --lora-rank freezes with the rest of the base (a LoRA "
+                     "checkpoint holds the adapters alone)")
   if args.lora_rank and not target_globs(args.lora_targets):
     raise UsageError(f"--lora-targets {args.lora_targets!r} names no layer: give comma-"
                      "separated globs over module paths, e.g. 'blocks.*.attn.[qv]'")
@@ -281,6 +287,22 @@ def check_args(args: argparse.Namespace) -> None:
     check_writable_dir("--checkpoint-dir", Path(args.checkpoint_dir))
   if args.metrics_file:
     check_writable_file("--metrics-file", Path(args.metrics_file))
+    if args.checkpoint_dir:
+      check_outside_checkpoints("--metrics-file", Path(args.metrics_file),
+                                Path(args.checkpoint_dir))
+
+
+def check_outside_checkpoints(flag: str, path: Path, checkpoint_dir: Path) -> None:
+  """``path`` is not inside what the run's checkpointer owns in ``checkpoint_dir``: a step's
+  folder (or its ``.tmp-``/``.old-`` form), or the run's lock file; appending there would
+  corrupt a checkpoint. (A file of the user's beside the step folders is fine.)"""
+  path, root = path.resolve(), checkpoint_dir.resolve()
+  if not path.is_relative_to(root) or path == root:
+    return
+  first = path.relative_to(root).parts[0]
+  if OWN_FOLDER.fullmatch(first) or first == LOCK_NAME:
+    raise UsageError(f"{flag} {str(path)!r} is inside {str(root / first)!r}, which the run's "
+                     "checkpoints own; write it elsewhere")
 
 
 def check_writable_dir(flag: str, path: Path) -> None:

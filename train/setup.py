@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import jax
+import numpy as np
 from flax import nnx
 from rich.console import Console
 
@@ -41,6 +42,17 @@ def param_summary(params: nnx.State) -> dict[str, int]:
       replicated += shard_bytes
   return dict(params=total, sharded_bytes_per_device=sharded,
               replicated_bytes_per_device=replicated)
+
+
+def _axes_inside_a_process(mesh) -> dict[str, bool]:
+  """For each mesh axis longer than 1: whether every line of devices along it (the others
+  held fixed) lies in one process. ``mesh.devices`` has as many dimensions as axes."""
+  out = {}
+  for i, name in enumerate(mesh.axis_names):
+    if mesh.devices.shape[i] > 1:
+      lines = np.moveaxis(mesh.devices, i, -1).reshape(-1, mesh.devices.shape[i])
+      out[name] = all(len({d.process_index for d in line}) == 1 for line in lines)
+  return out
 
 
 def _roles(mesh) -> str:
@@ -194,9 +206,9 @@ class SetUp:
                   f"{devices[0].platform} device(s), {jax.process_count()} process(es) | mesh "
                   f"{job.mesh} ({_roles(mesh)})")
     if jax.process_count() > 1:
-      local_rows = all(len({d.process_index for d in row}) == 1 for row in mesh.devices)
       console.print(f"processes: {jax.process_count()} x {jax.local_device_count()} devices; "
-                    f"the model axis {'stays inside' if local_rows else 'spans'} a process")
+                    + "; ".join(f"the {name} axis {'stays inside' if local else 'spans'} a process"
+                                for name, local in _axes_inside_a_process(mesh).items()))
     origin = (f"from {job.model.init_from!r}" if job.model.init_from
               else f"preset {job.model.preset_name}")
     options = self.execution.describe()

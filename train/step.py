@@ -342,9 +342,17 @@ class Trainer:
     (loss, (metrics, aux)), grads, grad_norm = self._map(
         local_step, ((P(), P()), self.trained_specs, P()))(params, tokens, key)
     trained = self.trained(params)
-    updates, opt_state = optax.with_extra_args_support(self.tx).update(
+    updates, new_opt_state = optax.with_extra_args_support(self.tx).update(
         grads, opt_state, trained, grad_norm=grad_norm)
-    params = self.with_trained(params, optax.apply_updates(trained, updates))
+    # A step whose loss or gradient norm is not finite is not applied: params and optimizer
+    # state come back as they went in (the caller stops the run). Both scalars are global
+    # (replicated), so the choice needs no communication, and it joins the update's own
+    # elementwise pass.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jnp.where(finite, new, old)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    params = self.with_trained(params, jax.tree.map(
+        keep, optax.apply_updates(trained, updates), trained))
     if self.bias_update_rate:
       params, spread = balance_selection_biases(params, aux["layer_loads"],
                                                 self.bias_update_rate)

@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from flax_tp.checkpoint.errors import CheckpointError, CheckpointSaveError
-from flax_tp.checkpoint.keys import FORMAT, flat_leaves, is_leaf, saved_keys
+from flax_tp.checkpoint.keys import FORMAT, flat_leaves, is_leaf, saved_keys, value_of
 from flax_tp.checkpoint.legacy import from_logical, is_legacy, legacy_read
 from flax_tp.checkpoint.ownership import (
     OWN_FOLDER,
@@ -24,6 +26,25 @@ from flax_tp.checkpoint.ownership import (
 )
 from flax_tp.checkpoint.read import Pieces
 from flax_tp.checkpoint.write import Snapshot, barrier, crc32_of_file, fsync, write_json
+
+
+@jax.jit
+def _all_finite(values: list[jax.Array]) -> jax.Array:
+  """``[len(values)]`` bool: whether each array is free of NaN and infinity (one program,
+  a reduction per array; replicated, so every process reads the same answer)."""
+  return jnp.stack([jnp.isfinite(v).all() for v in values])
+
+
+def non_finite(flat: list[tuple[str, Any]]) -> list[str]:
+  """The keys of ``flat``'s floating-point leaves that hold a NaN or an infinity."""
+  keyed = [(key, value_of(leaf)) for key, leaf in flat]
+  keyed = [(k, v) for k, v in keyed if jnp.issubdtype(jnp.result_type(v), jnp.inexact)]
+  device = [(k, v) for k, v in keyed if isinstance(v, jax.Array)]
+  bad = [k for k, v in keyed if not isinstance(v, jax.Array) and not np.isfinite(v).all()]
+  if device:
+    finite = np.asarray(_all_finite([v for _, v in device]))
+    bad += [k for (k, _), ok in zip(device, finite, strict=True) if not ok]
+  return bad
 
 
 class Checkpointer:
@@ -120,6 +141,11 @@ class Checkpointer:
     step = check_step(step)
     self.wait()
     json.dumps(meta)  # fail here, not in the background, on metadata JSON cannot hold
+    bad = non_finite(flat_leaves(trees))
+    if bad:  # a diverged run's state is no checkpoint to resume or export
+      raise CheckpointSaveError(
+          f"refusing to save step {step} in {str(self.directory)!r}: {len(bad)} array(s) "
+          f"hold NaN or infinity ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
     for name in (str(step), f".tmp-{step}", f".old-{step}"):
       foreign = not_ours(self.directory / name)
       if foreign is not None:  # replacing the folder would delete it
