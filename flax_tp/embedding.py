@@ -108,9 +108,16 @@ class VocabParallelEmbedding(_ParallelEmbed):
   split_dim = 0
 
   def __init__(self, num_embeddings: int, features: int, *, mesh: Mesh,
-               sequence_parallel: bool = False, **kwargs):
+               sequence_parallel: bool = False, padding_idx: int | None = None, **kwargs):
     super().__init__(num_embeddings, features, mesh=mesh, **kwargs)
     self.sequence_parallel = sequence_parallel
+    if padding_idx is not None and not (isinstance(padding_idx, int) and not isinstance(
+        padding_idx, bool) and -num_embeddings <= padding_idx < num_embeddings):
+      raise ValueError(f"padding_idx must be None or an integer in [-{num_embeddings}, "
+                       f"{num_embeddings}), got {padding_idx!r}")
+    # torch.nn.Embedding's padding_idx: the lookups of this id pass no gradient to its row
+    # (the forward is unchanged; a tied head's use of the row still has one).
+    self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
 
   def __call__(self, inputs: Array, out_sharding: Any = None) -> Array:
     """``out_sharding``: Flax's argument, for a standalone call (see ``_standalone``)."""
@@ -134,6 +141,8 @@ class VocabParallelEmbedding(_ParallelEmbed):
     local = ids - jnp.asarray(layout.offsets)[index]
     mine = (local >= 0) & (local < jnp.asarray(layout.sizes)[index])
     rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+    if self.padding_idx is not None:
+      rows = jnp.where((ids == self.padding_idx)[..., None], jax.lax.stop_gradient(rows), rows)
     # jnp.take (hence nnx.Embed) fills the rows of out-of-range ids. A float fill (NaN)
     # is put in by every shard, so the sum carries it and no pass over the summed rows
     # is needed; an integer fill is set after the sum, where it cannot overflow.

@@ -236,8 +236,18 @@ def _check_fits(plan: StagePlan, x: jax.Array, microbatches: int) -> None:
                      f"{microbatches} microbatches: microbatches must divide it")
 
 
-def _split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
-  return x.reshape((microbatches, x.shape[0] // microbatches) + x.shape[1:])
+def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
+  """``x [b, ...]`` as ``[M, b / M, ...]``, microbatch ``m`` holding rows ``m, m + M, m +
+  2M, ...``: strided, so that with ``M`` dividing each data shard's rows a microbatch is
+  the same set of global rows (those ``== m`` mod ``M``) whatever the data axis's size,
+  and what it routes, caps and drops does not depend on the mesh."""
+  return jnp.swapaxes(x.reshape((x.shape[0] // microbatches, microbatches) + x.shape[1:]),
+                      0, 1)
+
+
+def merge_microbatches(xs: jax.Array) -> jax.Array:
+  """``split_microbatches``' inverse: ``[M, b / M, ...]`` -> ``[b, ...]``."""
+  return jnp.swapaxes(xs, 0, 1).reshape((-1,) + xs.shape[2:])
 
 
 def _group_runner(graphdef: Any, call: Callable, plan: StagePlan, remat: str,
@@ -281,7 +291,7 @@ def run_pipeline(blocks: nnx.Module, x: jax.Array, call: Callable, batched: tupl
   ``call(block, x, layer, *batched_rows)`` runs one layer (``layer`` a traced int) on one
   microbatch ``[b / M, ...]``; ``batched``: arrays ``[b, ...]`` cut into microbatches
   with ``x`` (row ids). ``with_aux``: ``call`` returns ``(x, aux)``; the result is then
-  ``(x, aux summed over microbatches and stacked per layer [L, ...], on every stage)``.
+  ``(x, aux per microbatch and layer [M, L, ...], on every stage)``.
   ``remat``: each layer recomputed in backward (``flax_tp.remat.REMAT_CHOICES``).
   Returns ``x [b, ...]``, the same on every stage.
   """
@@ -290,8 +300,8 @@ def run_pipeline(blocks: nnx.Module, x: jax.Array, call: Callable, batched: tupl
   period, iterations = plan.period(M), plan.iterations(M)
   stage = jax.lax.axis_index(STAGE_AXIS)
   graphdef, stacked = nnx.split(blocks)
-  xs = _split_microbatches(x, M)
-  batched = tuple(_split_microbatches(b, M) for b in batched)
+  xs = split_microbatches(x, M)
+  batched = tuple(split_microbatches(b, M) for b in batched)
   run_group = _group_runner(graphdef, call, plan, remat, with_aux)
 
   def position(t):
@@ -327,7 +337,7 @@ def run_pipeline(blocks: nnx.Module, x: jax.Array, call: Callable, batched: tupl
         outputs, jnp.where(done, y, outputs[m]), m, 0)
     if aux is not None:  # [G, ...], each this stage's layer's, kept for real runs only
       aux = jax.tree.map(lambda a: jnp.where(real, a, jnp.zeros((), a.dtype)), aux)
-      aux = (aux, (repeat * S + stage) * G + jnp.arange(G))
+      aux = (aux, (repeat * S + stage) * G + jnp.arange(G), m)
     received = jax.lax.ppermute(y, STAGE_AXIS, perm)
     return (received, waiting, outputs), aux
 
@@ -336,17 +346,18 @@ def run_pipeline(blocks: nnx.Module, x: jax.Array, call: Callable, batched: tupl
   (_, _, outputs), aux = jax.lax.scan(iteration, (zeros, waiting, outputs),
                                       jnp.arange(iterations))
   # The last stage's outputs, on every stage (adding zeros elsewhere: exact).
-  x = outputs.reshape(x.shape)
+  x = merge_microbatches(outputs)
   x = all_reduce(jnp.where(stage == S - 1, x, jnp.zeros((), x.dtype)), "sum", STAGE_AXIS)
   if not with_aux:
     return x
   if aux is None:
     return x, None
-  aux, layers = aux  # [iterations, G, ...], [iterations, G]
+  aux, layers, ms = aux  # [iterations, G, ...], [iterations, G], [iterations]
   layers = layers.reshape(-1)
+  ms = jnp.repeat(ms, G)
 
   def per_layer(a):
-    by_layer = jnp.zeros((plan.layers,) + a.shape[2:], a.dtype).at[layers].add(
+    by_layer = jnp.zeros((M, plan.layers) + a.shape[2:], a.dtype).at[ms, layers].add(
         a.reshape((-1,) + a.shape[2:]), mode="drop")  # (identity layers' rows dropped)
     return all_reduce(by_layer, "sum", STAGE_AXIS)
 
@@ -486,8 +497,8 @@ def pipeline_1f1b_loss(blocks: nnx.Module, tail: nnx.Module, x: jax.Array, call:
     # Stage-varying from the start, so that no iteration's backward sums a gradient
     # over "stage": each stage accumulates its own, summed once at the end.
     tail_v = jax.tree.map(varying, tail_state)
-    xs = varying(_split_microbatches(x, M))
-    rows = tuple(_split_microbatches(b, M) for b in batched)
+    xs = varying(split_microbatches(x, M))
+    rows = tuple(split_microbatches(b, M) for b in batched)
     zeros = jnp.zeros_like
     last = stage == S - 1
 
@@ -556,8 +567,8 @@ def pipeline_1f1b_loss(blocks: nnx.Module, tail: nnx.Module, x: jax.Array, call:
     # input's (the last stage's, stage 0's: adding zeros elsewhere, exact).
     d_tail = jax.tree.map(_summed_like, jax.tree.map(
         lambda g: jnp.where(last, g, jnp.zeros((), g.dtype)), d_tail), tail_state)
-    d_x = _summed_like(jnp.where(stage == 0, d_xs, jnp.zeros((), d_xs.dtype)).reshape(
-        x.shape), x)
+    d_x = _summed_like(merge_microbatches(jnp.where(stage == 0, d_xs,
+                                                    jnp.zeros((), d_xs.dtype))), x)
     return only(last, loss), (jax.tree.map(_summed_like, d_stacked, stacked), d_tail, d_x)
 
   @jax.custom_vjp

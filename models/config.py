@@ -206,7 +206,7 @@ FLAT_FIELDS: dict[str, tuple[str, ...]] = {
     "rope_interleave": ("attention", "latent", "rope_interleave"),
     "attn_sinks": ("attention", "sinks"), "router_bias": ("experts", "router", "bias"),
     "expert_bias": ("experts", "bias"), "swiglu_limit": ("experts", "swiglu_limit"),
-    "swiglu_alpha": ("experts", "swiglu_alpha"),
+    "swiglu_alpha": ("experts", "swiglu_alpha"), "padding_idx": (),
 }
 # The fields every identity writes: the first TransformerConfig's, before the families.
 # Every field added since is left out of an identity at its default, so a run written
@@ -300,6 +300,8 @@ class TransformerConfig:
   # sandwich_norm: only the norms after them (OLMo 2/3)
   family: str | None = None  # the HF family it reads from / writes as (models/families/);
   # None: Llama, or Qwen2 where only q/k/v have biases
+  padding_idx: int | None = None  # the token whose embedding lookups pass no gradient
+  # (transformers builds nn.Embedding(..., padding_idx=config.pad_token_id))
   # -- the parts
   attention: Attention = Attention()
   rope: Rope = Rope()
@@ -365,6 +367,11 @@ class TransformerConfig:
       wrong = sorted(set(self.layer_types) - {FULL, SLIDING})
       if wrong:
         raise ValueError(f"layer_types holds {wrong[0]!r}; expected {FULL!r} or {SLIDING!r}")
+    if self.padding_idx is not None and not (
+        isinstance(self.padding_idx, int) and not isinstance(self.padding_idx, bool)
+        and 0 <= self.padding_idx < self.vocab_size):
+      raise ValueError(f"padding_idx must be None or a token id in [0, vocab_size="
+                       f"{self.vocab_size}), got {self.padding_idx!r}")
     if self.sliding_window is not None and self.sliding_window < 1:
       raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window!r}")
     if SLIDING in (self.layer_types or ()) and self.sliding_window is None:

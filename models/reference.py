@@ -326,11 +326,19 @@ class ReferenceTransformer(nnx.Module):
 
 
 def reference_loss(model: ReferenceTransformer, tokens_bs1, *, dropout_key=None,
-                   label_smoothing: float = 0.0, z_loss: float = 0.0):
+                   label_smoothing: float = 0.0, z_loss: float = 0.0, microbatches: int = 1):
   """Mean next-token cross-entropy of ``tokens [b, s + 1]`` (optax's formula); with
   mixture-of-experts layers plus ``router_aux_loss_coef`` times the load-balancing loss,
-  as transformers' MoE models add it."""
+  as transformers' MoE models add it. ``microbatches``: the mean of this loss over the
+  step's microbatches (rows ``m, m + M, ...``), each routed on its own: how a step of
+  several microbatches (accumulated, or a pipeline's) computes a mixture of experts'."""
   import optax
+  if microbatches > 1:
+    if dropout_key is not None:
+      raise ValueError("the reference's microbatches take no dropout key")
+    return jnp.mean(jnp.stack([
+        reference_loss(model, tokens_bs1[m::microbatches], label_smoothing=label_smoothing,
+                       z_loss=z_loss) for m in range(microbatches)]))
 
   # A mixture of experts sees all S + 1 tokens, as transformers runs its input_ids: the
   # last one predicts nothing, but its routing counts in the load-balancing loss.

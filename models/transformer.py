@@ -439,6 +439,12 @@ class _Tail(nnx.Module):
     self.head = head
 
 
+def per_microbatch(stats: flax_tp.RouterStats) -> flax_tp.RouterStats:
+  """``stats`` with a leading microbatch axis: as they are when a step's microbatches kept
+  theirs apart (``tokens [M]``), else as one microbatch (``[1, ...]``)."""
+  return stats if jnp.ndim(stats.tokens) else jax.tree.map(lambda a: a[None], stats)
+
+
 class Transformer(nnx.Module):
   """tokens ``[b, s]`` -> logits, tensor-parallel over the mesh's ``"model"`` axis.
 
@@ -459,7 +465,8 @@ class Transformer(nnx.Module):
     """``lora``: adapters on the layers its targets match (``flax_tp.add_adapters``),
     added before the execution is applied, so they are stacked and split as their base."""
     self.embed = flax_tp.VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, mesh=mesh,
-                                                dtype=cfg.compute_dtype, rngs=rngs)
+                                                dtype=cfg.compute_dtype, rngs=rngs,
+                                                padding_idx=cfg.padding_idx)
     # The experts' layout (Execution.expert_axes) is their params' placement: chosen
     # as they are built, not by apply.
     self.blocks = nnx.List([ParallelBlock(cfg, mesh=mesh, rngs=rngs, layer=i,
@@ -484,7 +491,7 @@ class Transformer(nnx.Module):
     """How the logits' vocabulary dimension is split and padded."""
     return self.embed.layout
 
-  def __call__(self, tokens_bs, *, dropout_key=None, with_aux=False):
+  def __call__(self, tokens_bs, *, dropout_key=None, with_aux=False, rows=None):
     """``with_aux`` (inside the step's map): ``(logits, aux)``, where ``aux`` is what the
     model's own losses and metrics (``aux_losses``, ``aux_metrics``) are computed from:
     a dict of sums over this device's tokens (its data shard's, and on a context mesh its
@@ -492,7 +499,8 @@ class Transformer(nnx.Module):
     Empty for a model without mixture-of-experts layers; with them ``"router"``, the MoE
     layers' ``flax_tp.RouterStats`` added up, and ``"layer_loads"``, each MoE layer's
     counts ``[MoE layers, E]`` in layer order (the selection biases' balancing reads
-    them)."""
+    them). ``rows``: the global ids of ``tokens_bs``' rows (dropout's keys), where they are
+    not this data shard's rows in order (an accumulated step's microbatch)."""
     if not flax_tp.axis_is_bound(flax_tp.MODEL_AXIS):
       if with_aux:
         raise ValueError("with_aux is for a call inside the step's shard_map")
@@ -500,8 +508,9 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     # Each row's global number (dropout's key), or for a batch replicated over "data"
     # its own row number on every shard.
-    rows = (global_rows(tokens_bs.shape[0]) if is_varying(tokens_bs, flax_tp.DATA_AXIS)
-            else jnp.arange(tokens_bs.shape[0]))
+    if rows is None:
+      rows = (global_rows(tokens_bs.shape[0]) if is_varying(tokens_bs, flax_tp.DATA_AXIS)
+              else jnp.arange(tokens_bs.shape[0]))
     layout = self.activation_layout(tokens_bs.shape[1])
     x = ops.scale_embeddings(cfg, self.embed(layout.tokens(tokens_bs)))  # sequence
     # parallel: reduce-scattered to this device's block
@@ -527,28 +536,34 @@ class Transformer(nnx.Module):
     """The losses the model adds to a step's, by name, weighted, from ``aux`` (``__call__``'s,
     summed over the whole batch): with experts, ``router_aux_loss_coef`` times the
     load-balancing loss and ``options.router_z_loss`` times the router z-loss, both over
-    every MoE layer (as transformers concatenates the layers' router logits)."""
+    every MoE layer (as transformers concatenates the layers' router logits). A step of
+    several microbatches (a pipeline's, or accumulated: ``aux``'s statistics ``[M, ...]``)
+    adds their mean, each microbatch's losses from its own routing (Megatron's rule, the
+    one a pipeline can follow: it never sees the whole batch's routing at once)."""
     losses = {}
     if "router" in aux:
+      stats = per_microbatch(aux["router"])
       if self.cfg.router_aux_loss_coef:
-        losses["router_aux_loss"] = (self.cfg.router_aux_loss_coef
-                                     * flax_tp.load_balancing_loss(aux["router"]))
+        losses["router_aux_loss"] = (self.cfg.router_aux_loss_coef * jnp.mean(
+            jax.vmap(flax_tp.load_balancing_loss)(stats)))
       if options.router_z_loss:
-        losses["router_z_loss"] = options.router_z_loss * flax_tp.router_z_loss(aux["router"])
+        losses["router_z_loss"] = options.router_z_loss * jnp.mean(
+            jax.vmap(flax_tp.router_z_loss)(stats))
     return losses
 
   def aux_metrics(self, aux) -> dict:
-    """What a step logs of ``aux`` (summed over the whole batch): with experts, the
-    load-balancing and z losses (unweighted), each expert's share of the routed choices
-    summed over layers (1 / num_experts each when balanced), and the share of choices a
-    capacity dropped (0 when dropless)."""
+    """What a step logs of ``aux`` (summed over the whole batch, per microbatch or not):
+    with experts, the load-balancing and z losses (unweighted; the microbatches' mean),
+    each expert's share of the routed choices summed over layers (1 / num_experts each
+    when balanced), and the share of choices a capacity dropped (0 when dropless)."""
     if "router" not in aux:
       return {}
-    stats, top_k = aux["router"], self.cfg.experts_per_token
-    return {"router_aux_loss": flax_tp.load_balancing_loss(stats),
-            "router_z_loss": flax_tp.router_z_loss(stats),
-            "expert_load": stats.counts / (stats.tokens * top_k),
-            "expert_dropped": stats.dropped / (stats.tokens * top_k)}
+    stats, top_k = per_microbatch(aux["router"]), self.cfg.experts_per_token
+    whole = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
+    return {"router_aux_loss": jnp.mean(jax.vmap(flax_tp.load_balancing_loss)(stats)),
+            "router_z_loss": jnp.mean(jax.vmap(flax_tp.router_z_loss)(stats)),
+            "expert_load": whole.counts / (whole.tokens * top_k),
+            "expert_dropped": whole.dropped / (whole.tokens * top_k)}
 
   def pipelined_loss(self, tokens_bs, token_loss, batched=(), *, dropout_key=None):
     """Inside the step's map, a model whose stages run the 1F1B schedule
@@ -630,9 +645,11 @@ class Transformer(nnx.Module):
         x = out
         continue
       x, run_stats = out
-      if run_stats is not None:  # (stacked: [MoE layers of the run, ...])
-        loads.append(run_stats.counts)
-        run_stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), run_stats)
+      if run_stats is not None:  # (stacked: [MoE layers of the run, ...]; pipelined:
+        # [microbatches, MoE layers of the run, ...], each microbatch's kept apart)
+        layer_axis = 0 if self.pipeline is None else 1
+        loads.append(run_stats.counts if self.pipeline is None else run_stats.counts.sum(0))
+        run_stats = jax.tree.map(functools.partial(jnp.sum, axis=layer_axis), run_stats)
         stats = run_stats if stats is None else stats + run_stats
     return x, stats, (jnp.concatenate(loads) if loads else None)
 

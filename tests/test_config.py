@@ -138,3 +138,23 @@ def test_a_record_given_to_a_preset_replaces_the_presets_record_whole():
 def test_a_record_of_the_wrong_kind_is_named(fields, named):
   with pytest.raises(ValueError, match=named):
     TransformerConfig(**fields)
+
+
+@pytest.mark.parametrize("preset,fixture", [
+    ("deepseek-v3-tiny", "deepseek_v3"), ("glm4.5-tiny", "glm4_moe"),
+    ("gpt-oss-tiny", "gpt_oss"), ("olmo2-tiny", "olmo2"), ("olmo3-tiny", "olmo3")])
+def test_a_tiny_preset_is_its_familys_fixture_over_the_byte_vocabulary(preset, fixture):
+  """Each 2026 family's -tiny preset is the architecture of its HF fixture (which the
+  family tests compare with transformers), with the byte vocabulary and llama-tiny's 16
+  positions and no pad token (the byte tokenizer has none): the same identity but for
+  those fields."""
+  import json
+  from pathlib import Path
+
+  from models.families import config_from_hf
+  folder = Path(__file__).parent / "fixtures" / "hf" / fixture
+  hf = config_from_hf(json.loads((folder / "config.json").read_text())).identity()
+  ours = TransformerConfig.preset(preset).identity()
+  assert ours["vocab_size"] == 259 and ours["max_seq_len"] == 16
+  differ = {k for k in hf.keys() | ours.keys() if hf.get(k) != ours.get(k)}
+  assert differ == {"vocab_size", "max_seq_len", "padding_idx"}, differ

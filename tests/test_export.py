@@ -54,6 +54,10 @@ def test_a_lora_moe_run_exports_and_generates_and_nothing_is_replaced(tmp_path, 
   assert generate.main(["--checkpoint", str(ck), "--mesh", "1x2", "--prompt", "def",
                         "--max-new-tokens", "2"]) == 0
   capsys.readouterr()
+  # Generating from the checkpoint takes the base's context too, not the run's --seq-len.
+  assert generate.main(["--checkpoint", str(ck), "--mesh", "1x2", "--prompt", "def",
+                        "--max-new-tokens", "20"]) == 0  # past 16 positions
+  capsys.readouterr()
 
   # --merge: a user's tokenizer.json in --out is not replaced; the export keeps the
   # base's context (32 positions), not the run's --seq-len.
@@ -70,3 +74,25 @@ def test_a_lora_moe_run_exports_and_generates_and_nothing_is_replaced(tmp_path, 
   capsys.readouterr()
   assert generate.main(["--hf", str(merged), "--mesh", "1x2", "--prompt", "def",
                         "--max-new-tokens", "20"]) == 0  # past 16 positions
+
+
+@pytest.mark.slow
+def test_a_model_mixing_dense_and_expert_layers_decodes_and_exports_on_a_stage_mesh(
+    tmp_path, capsys):
+  """deepseek-v3-tiny (a dense first layer, then experts) trains on 2x4; no pipeline holds
+  its layers, but generate and export run them one by one, so --mesh stage=2,model=2
+  works for both, and exports what 1x2 exports, byte for byte."""
+  from helpers import write_small_corpus
+  corpus = write_small_corpus(tmp_path / "corpus.py", files=5)
+  ck = tmp_path / "ck"
+  assert main(["--preset", "deepseek-v3-tiny", "--mesh", "2x4", "--steps", "2", "--batch-size",
+               "8", "--seq-len", "16", "--eval-every", "0", "--sample-length", "0", "--data",
+               corpus, "--checkpoint-dir", str(ck)]) == 0
+  assert generate.main(["--checkpoint", str(ck), "--mesh", "stage=2,model=2", "--prompt",
+                        "def", "--max-new-tokens", "4"]) == 0
+  for mesh in ("stage=2,model=2", "1x2"):
+    assert export.main(["--checkpoint", str(ck), "--mesh", mesh, "--out",
+                        str(tmp_path / mesh)]) == 0
+  capsys.readouterr()
+  assert ((tmp_path / "1x2" / "model.safetensors").read_bytes()
+          == (tmp_path / "stage=2,model=2" / "model.safetensors").read_bytes())

@@ -867,3 +867,44 @@ def test_the_deepseek_v3_preset_holds_671b_params():
   671B params: its attention, experts and shared experts as the release counts them."""
   from bench.harness import param_count
   assert round(param_count(TransformerConfig.preset("deepseek-v3")) / 1e9) == 671
+
+
+@pytest.mark.parametrize("live", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_the_pad_tokens_row_gets_no_gradient_from_its_lookups(tmp_path, meshes, live):
+  """transformers builds every family's embedding with ``padding_idx=pad_token_id``, so a
+  batch holding the pad id passes that row no gradient. Read from an HF folder, flax_tp
+  does the same (OLMo 3's fixture: pad 0, untied head, so the row's gradient is exactly
+  zero; without it, not), on an uneven mesh; ``save_hf`` keeps the pad id. Live: the
+  embedding gradient is transformers' own."""
+  from models.hf import to_hf_state_dict
+  name = "olmo3"
+  ids = np.load(FIXTURES / name / "expected.npz")["ids"].copy()
+  ids[:, [2, 5]] = 0  # the pad id, inside the rows and as a target
+
+  def embedding_grad(model):
+    trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
+    tokens = jax.device_put(jnp.asarray(ids, jnp.int32), trainer.batch_sharding)
+    _, grads = jax.jit(trainer.loss_and_grads)(trainer.params, tokens)
+    return to_hf_state_dict(grads, model.cfg)["model.embed_tokens.weight"]
+
+  model = load_hf(FIXTURES / name, meshes["1x3"])
+  assert model.cfg.padding_idx == 0
+  ours = embedding_grad(model)
+  if not live:
+    assert not ours[0].any() and np.abs(ours[1:]).max() > 0
+    plain = embedding_grad(load_hf(FIXTURES / name, meshes["1x3"], padding_idx=None))
+    assert np.abs(plain[0]).max() > 1e-4
+    np.testing.assert_array_equal(ours[1:], plain[1:])
+    save_hf(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["pad_token_id"] == 0
+    assert read_config(tmp_path).padding_idx == 0
+    return
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(
+      FIXTURES / name, attn_implementation="eager")
+  batch = torch.as_tensor(ids)
+  theirs(batch, labels=batch).loss.backward()
+  expected = theirs.model.embed_tokens.weight.grad.numpy()
+  assert not expected[0].any()
+  np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-6)

@@ -157,37 +157,43 @@ def test_the_stage_axis_comes_first_in_any_spelling():
 
 
 @functools.cache
-def _reference(preset, layers, options, seq_len, dropout):
-  """The plain-Flax reference's params, loss and gradients (and logits) on one device."""
+def _reference(preset, layers, options, seq_len, dropout, microbatches=1, batch=4):
+  """The plain-Flax reference's params, loss and gradients (and logits) on one device
+  (``microbatches``: a mixture of experts routes each on its own)."""
   cfg = TransformerConfig.preset(preset, num_layers=layers, **dict(options))
-  tokens = jax.random.randint(jax.random.key(1), (4, seq_len + 1), 0, cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.key(1), (batch, seq_len + 1), 0, cfg.vocab_size)
   key = jax.random.key(3) if dropout else None
   reference = ReferenceTransformer(cfg, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(reference, nnx.Param)
   loss, grads = jax.jit(jax.value_and_grad(lambda p: reference_loss(
-      nnx.merge(graphdef, p), tokens, dropout_key=key)))(params)
+      nnx.merge(graphdef, p), tokens, dropout_key=key, microbatches=microbatches)))(params)
   logits = None if cfg.has_experts else reference(tokens[:, :-1])
   return cfg, tokens, key, reference, logits, loss, grads
 
 
 def _check_against_reference(mesh_spec, layers, execution, preset="tiny", options=(),
-                             seq_len=7, dropout=False):
+                             seq_len=7, dropout=False, batch=4):
   """The pipelined model's params, logits, loss and every gradient against the plain-Flax
   reference's on one device."""
+  experts = TransformerConfig.preset(preset).has_experts
   cfg, tokens, key, reference, logits, loss, grads = _reference(
-      preset, layers, tuple(options), seq_len, dropout)
+      preset, layers, tuple(options), seq_len, dropout,
+      execution.microbatches if experts else 1, batch)
   model = Transformer(cfg, mesh=flax_tp.make_mesh(mesh_spec), rngs=nnx.Rngs(0),
                       execution=execution)
-  assert model.pipeline is not None  # a stage axis pipelines the model on its own
+  # a stage axis pipelines the model on its own; without one, microbatches accumulate
+  assert (model.pipeline is not None) == (flax_tp.MeshAxes.parse(mesh_spec).stage > 1)
   assert_state_close(model, reference, rtol=0, atol=0)
   if logits is not None:
     np.testing.assert_allclose(jax.jit(lambda t: model(t))(tokens[:, :-1]), logits,
                                rtol=1e-5, atol=1e-5)
   trainer = Trainer(model, make_optimizer(lr=1e-3, steps=1))
+  assert trainer.accumulation == (1 if model.pipeline else execution.microbatches)
   got_loss, got_grads = trainer.loss_and_grads(
       trainer.params, jax.device_put(tokens, trainer.batch_sharding), key)
   np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
   assert_state_close(got_grads, grads, rtol=1e-4, atol=1e-6)
+  return trainer, tokens
 
 
 MESHES = ("stage=2,data=2,model=2", "stage=4,model=2", "stage=3,model=2", "stage=8")
@@ -276,10 +282,48 @@ def test_a_pipeline_composes_with_the_other_parallelisms(mesh_spec, layers, opti
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", [GPIPE, CIRCULAR])
 def test_a_pipelined_mixture_of_experts_is_exact(schedule):
-  """The routers' load-balancing loss summed over microbatches per layer, then as the
-  unpipelined model adds it."""
+  """Each microbatch's load-balancing loss from its own routing (over every layer, on
+  whichever stage), their mean added: the plain-Flax reference run per microbatch."""
   _check_against_reference("stage=2,data=2,model=2", 3, Execution(
       microbatches=2, pipeline_schedule=schedule), preset="moe-tiny")
+
+
+# A capacity that drops (0.5 of an even share): what a microbatch drops depends on which
+# rows it holds, so these tell apart a split that depends on the mesh.
+DROPPING = (("expert_capacity_factor", 0.5),)
+
+
+@pytest.mark.parametrize("mesh_spec,preset,options,execution,dropout", [
+    # Without a stage axis, microbatches are gradient accumulation: a dense model's step
+    # is the whole batch's (within float rounding), on an uneven mesh...
+    ("1x3", "tiny", (), Execution(microbatches=2), False),
+    # ... and a mixture of experts routes, caps and balances each microbatch on its own,
+    # as a pipeline's stages do: the same rows whatever the data axis, so every mesh
+    # gives the per-microbatch reference, and so each other's (the issue's pair).
+    ("2x4", "moe-tiny", DROPPING, Execution(microbatches=2), False),
+    ("stage=2,data=2,model=2", "moe-tiny", DROPPING, Execution(microbatches=2), False),
+    pytest.param("1x1", "moe-tiny", DROPPING, Execution(microbatches=4), False,
+                 marks=pytest.mark.slow),
+    pytest.param("2x2x2", "moe-tiny", DROPPING + (("expert_drop_policy", "position"),),
+                 Execution(microbatches=2, sequence_parallel=True), False,
+                 marks=pytest.mark.slow),
+    pytest.param("model=2,stage=2,data=2", "moe-tiny", DROPPING,
+                 Execution(microbatches=2, pipeline_schedule=CIRCULAR), False,
+                 marks=pytest.mark.slow),
+    # dropout's masks keyed by each row's global id: the whole batch's masks
+    pytest.param("2x4", "tiny", (("dropout", 0.1),), Execution(microbatches=2, fsdp=True,
+                                                               remat="block"), True,
+                 marks=pytest.mark.slow),
+])
+def test_microbatches_are_the_same_rows_on_every_mesh(mesh_spec, preset, options, execution,
+                                                      dropout):
+  # 8 rows: each data shard's microbatch holds several (rows m, m + M, ..., not a block)
+  trainer, tokens = _check_against_reference(mesh_spec, 3, execution, preset=preset,
+                                             options=options, dropout=dropout, batch=8)
+  if TransformerConfig.preset(preset).has_experts:  # (the capacity does drop)
+    _, _, out = trainer.train_step(trainer.params, trainer.init_opt_state(trainer.params),
+                                   jax.device_put(tokens, trainer.batch_sharding), None)
+    assert float(out["expert_dropped"]) > 0.1
 
 
 def test_1f1b_refuses_a_mixture_of_experts_naming_why():

@@ -26,6 +26,16 @@ class UsageParser(argparse.ArgumentParser):
     raise UsageError(message)
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """argparse's "(default: X)" after each flag's help, except where the help says its own
+  default already or there is none to say (None)."""
+
+  def _get_help_string(self, action):
+    if action.default is None or "(default:" in (action.help or ""):
+      return action.help
+    return super()._get_help_string(action)
+
+
 def one_line(err: BaseException) -> str:
   """``Type: first line`` of an unexpected failure (the traceback: FLAX_TP_TRACEBACK=1)."""
   lines = str(err).strip().splitlines()

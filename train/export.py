@@ -31,7 +31,7 @@ from train.errors import RunError, UsageError, exit_on_interrupt
 if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there is one line
   exit_on_interrupt("train/export.py")
 
-from train.cli import UsageParser, exit_ladder, one_line
+from train.cli import DefaultsHelpFormatter, UsageParser, exit_ladder, one_line
 from train.devices import provide_mesh_devices
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -41,7 +41,7 @@ SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def build_parser() -> argparse.ArgumentParser:
   p = UsageParser(prog="train/export.py", description=__doc__.split("\n\n")[0],
-                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                  formatter_class=DefaultsHelpFormatter)
   p.add_argument("--checkpoint", metavar="DIR", required=True,
                  help="a train/run.py --checkpoint-dir")
   p.add_argument("--step", type=int, default=None,

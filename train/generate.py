@@ -18,6 +18,7 @@ line on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -31,7 +32,14 @@ from train.errors import RunError, UsageError, exit_on_interrupt, not_utf8
 if __name__ == "__main__":  # before the imports below start JAX: Ctrl-C there is one line
   exit_on_interrupt("train/generate.py")
 
-from train.cli import INT_MAX, SEED_LIMIT, UsageParser, exit_ladder, one_line
+from train.cli import (
+    INT_MAX,
+    SEED_LIMIT,
+    DefaultsHelpFormatter,
+    UsageParser,
+    exit_ladder,
+    one_line,
+)
 from train.devices import provide_mesh_devices
 
 # The logits are divided by the temperature in float32: below its smallest normal number
@@ -41,9 +49,9 @@ FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127
 
 def build_parser() -> argparse.ArgumentParser:
   p = UsageParser(prog="train/generate.py", description=__doc__.split("\n\n")[0],
-              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+              formatter_class=DefaultsHelpFormatter)
   source = p.add_mutually_exclusive_group(required=True)
-  source.add_argument("--hf", metavar="DIR", help="a HuggingFace model folder (a family of models/families.py)")
+  source.add_argument("--hf", metavar="DIR", help="a HuggingFace model folder (a family of models/families/)")
   source.add_argument("--checkpoint", metavar="DIR", help="a train/run.py --checkpoint-dir")
   p.add_argument("--adapter", metavar="DIR", default=None,
                  help="with --hf: a PEFT LoRA adapter folder to apply to it")
@@ -157,6 +165,9 @@ def load_from_checkpoint(args, mesh):
     cfg = TransformerConfig.from_identity(config)
   except (TypeError, ValueError) as err:
     raise UsageError(f"--checkpoint {args.checkpoint!r}: bad model config: {err}") from None
+  # The run's --seq-len is how long it trained, not how long a context its model takes:
+  # the base's (its HF config's, or its preset's), as an export writes it.
+  cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, _base_context(run)))
   name = run.get("tokenizer", "bytes")
   if name == "bytes":
     tokenizer = ByteTokenizer()
@@ -184,6 +195,21 @@ def load_from_checkpoint(args, mesh):
   nnx.update(model, restored["params"])
   eos = eos_ids(Path(run["init_from"])) if run.get("init_from") else []
   return model, tokenizer, eos
+
+
+def _base_context(run: dict) -> int:
+  """The positions the model a run started from takes: its ``--init-from`` folder's
+  ``max_position_embeddings``, or its preset's ``max_seq_len`` (0 when neither is known)."""
+  from models.config import TransformerConfig
+  if run.get("init_from"):
+    from models.hf import read_config
+    try:
+      return read_config(run["init_from"]).max_seq_len
+    except (OSError, ValueError):
+      return 0  # (a base that is gone or changed is named where the model is built)
+  preset = run.get("preset")
+  return (TransformerConfig.preset(preset).max_seq_len
+          if preset in TransformerConfig.preset_names() else 0)
 
 
 def _model_of_run(args, run: dict, cfg, mesh):

@@ -41,7 +41,14 @@ from flax_tp.run_lock import LOCK_NAME
 from models.config import ABSTRACT_ONLY, TransformerConfig
 from models.execution import Execution
 from train import distributed as train_distributed
-from train.cli import INT_MAX, SEED_LIMIT, UsageParser, exit_ladder, one_line
+from train.cli import (
+    INT_MAX,
+    SEED_LIMIT,
+    DefaultsHelpFormatter,
+    UsageParser,
+    exit_ladder,
+    one_line,
+)
 from train.devices import provide_mesh_devices
 from train.job import DEFAULTS, target_globs
 
@@ -49,7 +56,7 @@ from train.job import DEFAULTS, target_globs
 def build_parser() -> argparse.ArgumentParser:
   d = DEFAULTS
   p = UsageParser(prog="train/run.py", description=__doc__.split("\n\n")[0],
-              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+              formatter_class=DefaultsHelpFormatter)
   p.add_argument("--mesh", default=d["mesh"],
                  help="DxM: D-way data parallel by M-way tensor (model) parallel; DxCxM "
                       "adds C-way context parallelism (the sequence split over C devices); "

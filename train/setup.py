@@ -84,7 +84,7 @@ class SetUp:
                        f"{data_size}-way data axis of --mesh {job.mesh}")
     axes = flax_tp.MeshAxes.of(mesh)
     per_shard = job.schedule.batch_size // data_size
-    if axes.stage > 1 and per_shard % job.execution.microbatches:
+    if per_shard % job.execution.microbatches:
       raise UsageError(f"--microbatches {job.execution.microbatches} does not divide the "
                        f"{per_shard} sequences each data shard runs (--batch-size "
                        f"{job.schedule.batch_size} over the {data_size}-way data axis of "
@@ -221,7 +221,15 @@ class SetUp:
       console.print(experts_line(self.cfg, flax_tp.MeshAxes.of(mesh),
                                  self.execution.expert_axes,
                                  tokens=job.schedule.batch_size * (job.model.seq_len + 1),
-                                 dispatcher=self.execution.expert_dispatcher))
+                                 dispatcher=self.execution.expert_dispatcher,
+                                 microbatches=self.execution.microbatches))
+    if self.trainer.accumulation > 1:
+      per_shard = job.schedule.batch_size // data_size
+      console.print(f"gradient accumulation: {self.trainer.accumulation} microbatches of "
+                    f"{per_shard // self.trainer.accumulation} rows per data shard, one "
+                    "forward and backward each, their gradients summed (a microbatch: the "
+                    "global rows equal to its number mod "
+                    f"{self.trainer.accumulation}, as a pipeline's)", markup=False)
     if self.trainer.model(self.params).pipeline is not None:
       console.print(pipeline_line(self.trainer.model(self.params), self.execution,
                                   batch=job.schedule.batch_size // data_size,
@@ -248,18 +256,20 @@ class SetUp:
         flax_tp.MeshAxes.of(mesh).context == 1:
       notes.append(f"note: --context-parallel {self.execution.context_parallel} has nothing "
                    f"to do on mesh {job.mesh}, which has no context axis (DxCxM names one)")
+    if (self.execution.remat not in ("none", "block") and not self.execution.scan_layers
+        and axes.stage == 1 and mesh.devices.flat[0].platform == "cpu"):
+      notes.append(f"note: --remat {self.execution.remat} without --scan-layers recomputes "
+                   "nothing on XLA's CPU backend (jax.checkpoint in an unrolled loop is "
+                   "merged back into the forward): add --scan-layers, or use --remat block")
     idle = [r for r in self.execution.expert_axes if r != flax_tp.DATA_AXIS and axes.size(r) == 1]
     if self.cfg.has_experts and idle:  # never a layout that silently is another
       notes.append(f"note: --expert-axes names {' and '.join(idle)}, which mesh {job.mesh} "
                    f"gives one device: the experts split over "
                    f"{' x '.join(axes.expert_axes(self.execution.expert_axes)) or 'nothing'}")
-    pipeline_flags = [flag for flag, given in (
-        (f"--microbatches {self.execution.microbatches}", self.execution.microbatches != 1),
-        (f"--pipeline-schedule {self.execution.pipeline_schedule}",
-         self.execution.pipeline_schedule != Execution.pipeline_schedule)) if given]
-    if pipeline_flags and axes.stage == 1:
-      notes.append(f"note: {' and '.join(pipeline_flags)} have nothing to do on mesh "
-                   f"{job.mesh}, which has no stage axis (e.g. stage=2,data=2,model=2 names one)")
+    if self.execution.pipeline_schedule != Execution.pipeline_schedule and axes.stage == 1:
+      notes.append(f"note: --pipeline-schedule {self.execution.pipeline_schedule} has nothing "
+                   f"to do on mesh {job.mesh}, which has no stage axis (e.g. "
+                   "stage=2,data=2,model=2 names one)")
     for note in notes:
       console.print(note, markup=False)
     if self.start:
@@ -279,11 +289,14 @@ def lora_line(lora, trainer, params) -> str:
 
 
 def experts_line(cfg, axes: flax_tp.MeshAxes, expert_roles: tuple[str, ...],
-                 tokens: int, dispatcher: str = "all_gather") -> str:
+                 tokens: int, dispatcher: str = "all_gather", microbatches: int = 1) -> str:
   """The start-up line saying how a mixture of experts is laid out on the mesh (its
   experts over ``axes.expert_axes(expert_roles)``), how its tokens are dispatched, and
-  what its capacity is for a step of ``tokens`` tokens."""
+  what its capacity is for a step of ``tokens`` tokens (of ``microbatches``
+  microbatches, each routed, and capped, on its own)."""
   from flax_tp.moe import capacity_is_capped, expert_capacity
+  tokens //= microbatches
+  unit = "step" if microbatches == 1 else "microbatch"
   over = axes.expert_axes(expert_roles)
   experts = flax_tp.ShardLayout(cfg.num_experts, math.prod(axes.size(a) for a in over))
   whole = flax_tp.MODEL_AXIS in expert_roles
@@ -332,11 +345,11 @@ def experts_line(cfg, axes: flax_tp.MeshAxes, expert_roles: tuple[str, ...],
                   + ("largest weights" if cfg.expert_drop_policy == "probs"
                      else "earliest tokens"))
   elif capacity_is_capped(tokens, k, e, factor):  # never a buffer past every token
-    capacity = (f"capacity factor {factor:g}, capped at all {tokens} tokens of a step (an "
-                "expert can take no more): nothing dropped")
+    capacity = (f"capacity factor {factor:g}, capped at all {tokens} tokens of a {unit} "
+                "(an expert can take no more): nothing dropped")
   else:
     capacity = (f"capacity factor {factor:g} ({expert_capacity(tokens, k, e, factor)} of a "
-                f"step's {tokens} tokens per expert), full experts keep the "
+                f"{unit}'s {tokens} tokens per expert), full experts keep the "
                 + ("largest weights" if cfg.expert_drop_policy == "probs" else "earliest tokens"))
   ffn_words = (f"each expert whole on its device (FFN {cfg.expert_width})" if whole else
                f"each expert's FFN {cfg.expert_width} over model: "

@@ -25,9 +25,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_tp
-from flax_tp.data_parallel import batch_axes, gather_for_step
+from flax_tp.collectives import is_varying
+from flax_tp.data_parallel import batch_axes, gather_for_step, global_rows
 from flax_tp.host_memory import keep_freed_host_memory
 from flax_tp.mesh import split_over
+from flax_tp.pipeline import split_microbatches
 from flax_tp.stack import stacked_layers
 from models.transformer import Transformer
 from train.job import OptimizerJob
@@ -176,6 +178,10 @@ class Trainer:
     # (one-device) gradient all-reduce over "data" is emitted at all.
     self.batch_spec = P(split_over(flax_tp.DATA_AXIS, self.mesh.shape[flax_tp.DATA_AXIS]))
     self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
+    # Execution.microbatches on a model without pipeline stages: gradient accumulation,
+    # each microbatch (split_microbatches' rows, the same global rows on every mesh) a
+    # forward and backward of its own, the gradients summed; a pipeline runs its own.
+    self.accumulation = model.execution.microbatches if model.pipeline is None else 1
     self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1))
     self.eval_step = jax.jit(self._eval_loss)
     self._compiled_loss_and_grads = jax.jit(self._loss_and_grads)
@@ -239,7 +245,9 @@ class Trainer:
 
   def _local_loss(self, params: nnx.State, tokens: jax.Array, key: jax.Array | None,
                   labels: jax.Array | None = None, options: LossOptions = LossOptions(),
-                  with_aux: bool = False, aux_losses: bool = True):
+                  with_aux: bool = False, aux_losses: bool = True, *,
+                  rows: jax.Array | None = None, count: jax.Array | None = None,
+                  aux_weight: float = 1.0):
     """Mean loss over the *global* batch from this device's shard: summed over "data".
 
     ``labels`` ``[b, S]`` (default: ``tokens[:, 1:]``) may hold
@@ -248,6 +256,9 @@ class Trainer:
     its aux summed over the global batch: a mixture of experts' router losses).
     ``with_aux``: returns ``(loss, (the model's metrics, its global aux))``;
     ``aux_losses=False``: the cross-entropy alone (the eval loss).
+    One microbatch of an accumulated step (``_accumulated``): ``rows``, its rows' global
+    ids (dropout's keys); ``count``, the whole step's token count (``_global_count``);
+    ``aux_weight``, its share of the model's own losses (1 / M).
     """
     # Mark the params as per-replica once, here: backward then sums each param's
     # gradient locally (the tied embedding is used twice) and all-reduces it over
@@ -269,11 +280,7 @@ class Trainer:
       labels = context.local(jnp.pad(labels, ((0, 0), (0, model_len - seq_len)),
                                      constant_values=fill), fill=fill)
     reduce_over = batch_axes()  # "data" (and "context"): one all-reduce
-    if options.ignore_index is None:  # a static count: no communication
-      global_count = batch * seq_len * jax.lax.axis_size(flax_tp.DATA_AXIS)
-    else:
-      kept = flax_tp.kept_token_count(labels, options.ignore_index)
-      global_count = jnp.maximum(flax_tp.all_reduce(kept, "sum", reduce_over), 1.0)
+    global_count = self._global_count(labels, options) if count is None else count
 
     def token_loss(logits, labels):
       """The summed loss of these logits' tokens over the global count."""
@@ -294,15 +301,71 @@ class Trainer:
       local = model.pipelined_loss(model_tokens, token_loss, (labels,), dropout_key=key)
       aux = {}
     else:
-      logits, aux = model(model_tokens, dropout_key=key, with_aux=True)
+      logits, aux = model(model_tokens, dropout_key=key, with_aux=True, rows=rows)
       local = token_loss(logits, labels)
     # The aux's sums over every data and context shard's tokens.
     aux = jax.tree.map(lambda a: flax_tp.all_reduce(a, "sum", reduce_over), aux)
     loss = flax_tp.all_reduce(local, "sum", reduce_over)
     if aux_losses:
       for weighted in model.aux_losses(aux, options).values():
-        loss = loss + weighted
+        loss = loss + aux_weight * weighted
     return (loss, (model.aux_metrics(aux), aux)) if with_aux else loss
+
+  @staticmethod
+  def _global_count(labels: jax.Array, options: LossOptions) -> jax.Array | int:
+    """How many tokens the step's loss is the mean over, from this device's ``labels [b,
+    S]``: all of the global batch's, or those not ``options.ignore_index``."""
+    batch, seq_len = labels.shape
+    if options.ignore_index is None:  # a static count: no communication
+      return batch * seq_len * jax.lax.axis_size(flax_tp.DATA_AXIS)
+    kept = flax_tp.kept_token_count(labels, options.ignore_index)
+    return jnp.maximum(flax_tp.all_reduce(kept, "sum", batch_axes()), 1.0)
+
+  def _accumulated(self, params, tokens, key, labels, *, options: LossOptions,
+                   with_aux: bool, differentiate: bool = True, aux_losses: bool = True):
+    """Inside the step's map: ``_local_loss`` (and its gradients: ``differentiate``) as a
+    sum over ``self.accumulation`` microbatches of this device's rows, one after another
+    (a ``lax.scan``: one microbatch's activations live at a time), each normalized by the
+    whole step's token count and adding 1 / M of the model's own losses. The rows of
+    microbatch ``m`` are ``split_microbatches``': the same global rows on every mesh, as a
+    pipeline's. Returns what ``_local_loss`` (``jax.value_and_grad`` of it) returns, the
+    aux per microbatch ``[M, ...]`` (its metrics from all of them)."""
+    M, batch = self.accumulation, tokens.shape[0]
+    if batch % M:
+      raise ValueError(f"microbatches={M} does not divide the {batch} rows each data shard "
+                       "runs")
+    full_labels = tokens[:, 1:] if labels is None else labels
+    count = self._global_count(full_labels, options)
+    rows = (global_rows(batch) if is_varying(tokens, flax_tp.DATA_AXIS)
+            else jnp.arange(batch))
+    xs = (split_microbatches(tokens, M), split_microbatches(rows, M),
+          split_microbatches(full_labels, M) if labels is not None else None)
+
+    def one(tokens_m, rows_m, labels_m):
+      """(loss, aux or None, grads or None) of one microbatch."""
+      loss = functools.partial(self._local_loss, options=options, with_aux=with_aux,
+                               aux_losses=aux_losses, rows=rows_m, count=count,
+                               aux_weight=1.0 / M)
+      if differentiate:
+        loss = self._value_and_grad(loss, has_aux=with_aux)
+      out = loss(params, tokens_m, key, *(() if labels_m is None else (labels_m,)))
+      value, grads = out if differentiate else (out, None)
+      value, aux = value if with_aux else (value, (None, None))
+      return value, aux[1], grads
+
+    loss, first_aux, grads = one(*jax.tree.map(lambda a: a[0], xs))
+
+    def body(total, x):
+      value, aux, grads = one(*x)
+      return jax.tree.map(jnp.add, total, (value, grads)), aux
+
+    (loss, grads), rest = jax.lax.scan(body, (loss, grads), jax.tree.map(lambda a: a[1:], xs))
+    if with_aux:
+      aux = jax.tree.map(lambda a, r: jnp.concatenate([a[None], r]), first_aux, rest)
+      if "layer_loads" in aux:
+        aux["layer_loads"] = aux["layer_loads"].sum(0)
+      loss = (loss, (self.model(params).aux_metrics(aux), aux))
+    return (loss, grads) if differentiate else loss
 
   def _map(self, fn: Callable, out_specs: Any, with_labels: bool = False) -> Callable:
     labels = (self.batch_spec,) if with_labels else ()
@@ -316,15 +379,26 @@ class Trainer:
     inside a caller's ``jit`` it is inlined."""
     return self._compiled_loss_and_grads(params, tokens, key, labels)
 
+  def _step_loss(self, *, options: LossOptions, with_aux: bool = False,
+                 differentiate: bool = True, aux_losses: bool = True) -> Callable:
+    """``f(params, tokens, key[, labels])`` inside the map: ``_local_loss`` (with
+    ``differentiate``, its value and gradients), over the step's microbatches when it
+    accumulates (``_accumulated``)."""
+    if self.accumulation > 1:
+      return lambda params, tokens, key, labels=None: self._accumulated(
+          params, tokens, key, labels, options=options, with_aux=with_aux,
+          differentiate=differentiate, aux_losses=aux_losses)
+    loss = functools.partial(self._local_loss, options=options, with_aux=with_aux,
+                             aux_losses=aux_losses)
+    return self._value_and_grad(loss, has_aux=with_aux) if differentiate else loss
+
   def _loss_and_grads(self, params, tokens, key, labels):
-    loss = functools.partial(self._local_loss, options=self.loss_options)
-    mapped = self._map(self._value_and_grad(loss), (P(), self.trained_specs),
-                       labels is not None)
+    mapped = self._map(self._step_loss(options=self.loss_options),
+                       (P(), self.trained_specs), labels is not None)
     return mapped(params, tokens, key, *(() if labels is None else (labels,)))
 
   def _train_step(self, params, opt_state, tokens, key):
-    loss = functools.partial(self._local_loss, options=self.loss_options, with_aux=True)
-    value_and_grad = self._value_and_grad(loss, has_aux=True)
+    value_and_grad = self._step_loss(options=self.loss_options, with_aux=True)
 
     def local_step(params, tokens, key):
       out, grads = value_and_grad(params, tokens, key)
@@ -362,7 +436,7 @@ class Trainer:
   def _eval_loss(self, params, tokens):
     # Plain cross-entropy (no smoothing, no z-loss, no router losses): comparable
     # across runs.
-    return self._map(functools.partial(self._local_loss, aux_losses=False), P())(
-        params, tokens, None)
+    return self._map(self._step_loss(options=LossOptions(), differentiate=False,
+                                     aux_losses=False), P())(params, tokens, None)
 
 

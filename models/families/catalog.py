@@ -39,7 +39,21 @@ def _shared(hf: dict[str, Any]) -> dict[str, Any]:
       num_layers=read_number(hf, "num_hidden_layers", integer=True),
       max_seq_len=read_number(hf, "max_position_embeddings", 2048, integer=True),
       tie_embeddings=read_flag(hf, "tie_word_embeddings", False),
-      norm_eps=read_number(hf, "rms_norm_eps", 1e-6, integer=False), **_LLAMA_DEFAULTS)
+      norm_eps=read_number(hf, "rms_norm_eps", 1e-6, integer=False),
+      padding_idx=_padding_idx(hf), **_LLAMA_DEFAULTS)
+
+
+def _padding_idx(hf: dict[str, Any]) -> int | None:
+  """``pad_token_id``, which every family's transformers model gives its embedding as
+  ``padding_idx`` (that row's lookups pass no gradient); negative ids wrap, as torch's."""
+  pad = hf.get("pad_token_id")
+  if pad is None:
+    return None
+  vocab = read_number(hf, "vocab_size", integer=True)
+  if not (isinstance(pad, int) and not isinstance(pad, bool) and -vocab <= pad < vocab):
+    raise HFConfigError(f"config.json field 'pad_token_id' is {pad!r}; expected null or a "
+                        f"token id in [-{vocab}, {vocab}) (vocab_size {vocab})")
+  return pad % vocab
 
 
 def family_of(hf: dict[str, Any]) -> Family:
@@ -156,7 +170,9 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
   if family.name is not None:
     # flax_tp does not keep a checkpoint's special tokens; left unset, transformers would
     # take its class defaults (Phi-3's 32000: beyond a smaller vocabulary, an error)
-    out.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    out.update(bos_token_id=None, eos_token_id=None, pad_token_id=cfg.padding_idx)
+  elif cfg.padding_idx is not None:  # (Llama's class default is None: written when set)
+    out.update(pad_token_id=cfg.padding_idx)
   out.update(extra)
   return out
 
