@@ -14,6 +14,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 2 * 8)))
 # Token caches of the tests' corpora go to a folder of this run, not the user's.
 os.environ.setdefault("FLAX_TP_CACHE", tempfile.mkdtemp(prefix="flax_tp_test_cache_"))
+# jax's persistent compilation cache (most of the suite's time is XLA:CPU compiling): in
+# the checkout's own .jax_cache/ (git-ignored, never the user's home), shared by both
+# xdist workers, both lanes of .ci/run and the processes the tests spawn (they inherit
+# these variables). Every program is kept, however quick to compile. A cached program is
+# the same executable: the numerics goldens compare bit for bit through it. A caller's
+# own JAX_COMPILATION_CACHE_DIR is kept; "" turns the cache off.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                   ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 import pytest

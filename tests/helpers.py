@@ -72,6 +72,33 @@ def assert_state_close(parallel_state, flax_state, **tol):
                                err_msg=str(path), **(tol or F32))
 
 
+def assert_adamw_steps_close(params, ref_params, ref_first_grads, *, lr, steps,
+                             rtol=1e-5, atol=1e-5, noise=1e-4):
+  """``params`` after ``steps`` AdamW steps against the reference's, leaf by leaf.
+
+  AdamW divides each update by the root of its second moment, so an element whose
+  gradient is at rounding level moves by up to ~lr a step whatever the gradient's size:
+  float rounding alone can turn such an update around. Those elements (the first
+  gradient below ``noise`` times its param's largest) are held to ``2 * lr * steps``, and
+  must be a small share (under 1%), so the comparison keeps its power; every other
+  element to ``rtol`` / ``atol``."""
+  mine = nnx.to_flat_state(flax_tp.unshard(params))
+  ref = dict(nnx.to_flat_state(ref_params))
+  grads = dict(nnx.to_flat_state(ref_first_grads))
+  loose_count = total = 0
+  for path, var in mine:
+    a = np.asarray(var[...], np.float32)
+    b = np.asarray(ref[path][...], np.float32)
+    g = np.abs(np.asarray(grads[path][...], np.float32))
+    loose = g <= noise * g.max() if g.max() > 0 else np.ones_like(g, bool)
+    loose_count, total = loose_count + int(loose.sum()), total + g.size
+    allowed = atol + rtol * np.abs(b) + np.where(loose, 2 * lr * steps, 0.0)
+    bad = np.abs(a - b) > allowed
+    assert not bad.any(), (f"{path}: {int(bad.sum())} element(s) off, worst "
+                           f"{np.max(np.abs(a - b)[bad]):.3g}")
+  assert loose_count < 0.01 * total, f"{loose_count} of {total} gradients at rounding level"
+
+
 def assert_padding_zero(module_or_state):
   """Every stored padding element of every sharded param is exactly zero (on the dim split
   over "model", and a mixture of experts' experts over "data"); returns how many padded

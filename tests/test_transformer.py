@@ -11,7 +11,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_padding_zero, assert_state_close, split_execution
+from helpers import (
+    assert_adamw_steps_close,
+    assert_padding_zero,
+    assert_state_close,
+    split_execution,
+)
 
 import flax_tp
 from flax_tp.hlo import collectives, tally
@@ -512,7 +517,8 @@ def test_sinks_and_biased_clamped_experts_equivalence(meshes, mesh_spec, options
     losses.append(float(out["loss"]))
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   if not execution.fsdp and not execution.scan_layers:
-    assert_state_close(params, ref_params, rtol=1e-5, atol=1e-5)
+    # (a gradient at rounding level can turn its AdamW update around: see the helper)
+    assert_adamw_steps_close(params, ref_params, ref_grads, lr=1e-3, steps=STEPS)
     assert assert_padding_zero(params) > 0
 
 
