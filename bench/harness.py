@@ -102,12 +102,8 @@ PEAK_TFLOPS = {
 
 def param_count(cfg) -> int:
   """The model's logical params (no padding), counted without allocating them."""
-  import jax
-  from flax import nnx
-
-  from models.reference import ReferenceTransformer
-  abstract = nnx.eval_shape(lambda: ReferenceTransformer(cfg, rngs=nnx.Rngs(0)))
-  return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+  from models.reference import param_count as count
+  return count(cfg)
 
 
 def model_flops(cfg, params: int, batch: int, seq: int) -> int:

@@ -356,3 +356,9 @@ def reference_loss(model: ReferenceTransformer, tokens_bs1, *, dropout_key=None,
     loss = loss + model.cfg.router_aux_loss_coef * load_balancing_loss(
         router_logits, model.cfg.experts_per_token, model.cfg.router_score, picked)
   return loss
+
+
+def param_count(cfg) -> int:
+  """The model's logical params (no padding), counted without allocating them."""
+  abstract = nnx.eval_shape(lambda: ReferenceTransformer(cfg, rngs=nnx.Rngs(0)))
+  return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))

@@ -255,6 +255,9 @@ def test_no_blank_line_before_an_error_on_a_cold_cache(tmp_path, monkeypatch, ca
      "moves a router's selection bias (DeepSeek-V3, GLM-4.5); this model's routers have none"),
     (["--preset", "deepseek-v3"], "--preset deepseek-v3 is DeepSeek-V3's 671B params (7.3 "
      "TiB with AdamW in float32): its shapes are for the benchmarks' abstract compiles"),
+    # estimated before anything is allocated (it once aborted natively, exit 134)
+    (["--preset", "gpt-oss-20b"], "--preset gpt-oss-20b has 20.9B params: their float32 "
+     "values, gradients and AdamW moments alone need"),
     (["--expert-axes", "data,model"], "--expert-axes data,model is for a model with experts"),
     (["--lora-rank", "4", "--router-bias-rate", "0.001"], "--router-bias-rate 0.001 moves "
      "routers' selection biases, which --lora-rank freezes"),

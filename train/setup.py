@@ -44,6 +44,55 @@ def param_summary(params: nnx.State) -> dict[str, int]:
               replicated_bytes_per_device=replicated)
 
 
+def check_state_fits(cfg, mesh, execution: Execution, *, lora: bool, what: str,
+                     mesh_spec: str) -> None:
+  """Refuses (``UsageError``, one line) before anything is allocated a model whose
+  float32 params alone, with their gradients and AdamW's two moments (the params alone
+  under LoRA), cannot fit this process's memory: its devices' limits on an accelerator,
+  the host's available memory on CPU. A lower bound (no activations, no padding): a run it
+  lets through may still run out, one it refuses cannot run."""
+  from models.reference import param_count
+  params = param_count(cfg)
+  axes = flax_tp.MeshAxes.of(mesh)
+  split = axes.model * axes.stage * (axes.data * axes.context if execution.fsdp else 1)
+  per_device = params * (4 if lora else 16) / split
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  if local[0].platform == "cpu":
+    available = _host_memory_available()
+    need, where = per_device * len(local), f"this host's {_gib(available)} available"
+  else:
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local]
+    if not all(limits):
+      return  # (a device that reports no limit: nothing to compare with)
+    available, need = min(limits), per_device
+    where = f"a {local[0].device_kind} device's {_gib(available)}"
+  if available and need > available:
+    raise UsageError(
+        f"{what} has {params / 1e9:.1f}B params: their float32 values"
+        f"{'' if lora else ', gradients and AdamW moments'} alone need {_gib(need)} "
+        f"{'per device' if local[0].platform != 'cpu' else 'on this host'} on mesh "
+        f"{mesh_spec}, more than {where}: "
+        + ("a smaller model (simulated devices share the host's memory)"
+           if local[0].platform == "cpu" else
+           "more devices on the model axis (or --fsdp over data), or a smaller model"))
+
+
+def _host_memory_available() -> int | None:
+  """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError):
+    pass
+  return None
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:,.1f} GiB"
+
+
 def _axes_inside_a_process(mesh) -> dict[str, bool]:
   """For each mesh axis longer than 1: whether every line of devices along it (the others
   held fixed) lies in one process. ``mesh.devices`` has as many dimensions as axes."""
@@ -165,6 +214,9 @@ class SetUp:
   def _build_state(self) -> None:
     """The model's trainer, and its params and optimizer state (restored on resume)."""
     job = self.job
+    check_state_fits(self.cfg, self.mesh, self.execution, lora=self.lora is not None,
+                     what=(f"--init-from {job.model.init_from!r}" if job.model.init_from
+                           else f"--preset {job.model.preset_name}"), mesh_spec=job.mesh)
     # The base from --init-from on a fresh run, and with LoRA on resume too (a LoRA
     # checkpoint holds the adapters alone).
     # Otherwise a fresh model, or one a checkpoint then overwrites.
