@@ -40,3 +40,39 @@ def meshes():
 
 def pytest_configure(config):
   assert jax.device_count() == 8, "tests need 8 simulated devices (XLA_FLAGS set too late?)"
+
+
+# FLAX_TP_TEST_COMPILE_REPORT=PATH: per test file, how many programs XLA compiled in this
+# process (spawned processes not counted), the seconds it took, and the persistent
+# cache's hits, written as JSON to PATH.<worker> when the session ends (the README's
+# table of where the suite's time goes).
+_COMPILES = {}
+_CURRENT = [None]
+if os.environ.get("FLAX_TP_TEST_COMPILE_REPORT"):
+  from jax import monitoring
+
+  def _on_duration(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      entry = _COMPILES.setdefault(_CURRENT[0], [0, 0.0, 0])
+      entry[0] += 1
+      entry[1] += seconds
+
+  def _on_event(event, **_):
+    if event == "/jax/compilation_cache/cache_hits":
+      _COMPILES.setdefault(_CURRENT[0], [0, 0.0, 0])[2] += 1
+
+  monitoring.register_event_duration_secs_listener(_on_duration)
+  monitoring.register_event_listener(_on_event)
+
+
+def pytest_runtest_setup(item):
+  _CURRENT[0] = item.location[0]
+
+
+def pytest_sessionfinish(session):
+  path = os.environ.get("FLAX_TP_TEST_COMPILE_REPORT")
+  if path and _COMPILES:
+    import json
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(f"{path}.{worker}", "w", encoding="utf-8") as f:
+      json.dump({str(k): v for k, v in _COMPILES.items()}, f, indent=1)

@@ -270,6 +270,8 @@ class Trainer:
     model_len = model_tokens.shape[1]
     labels = tokens[:, 1:] if labels is None else labels
     batch, seq_len = labels.shape
+    if count is None:  # (before the labels are cut into context slots)
+      count = self._global_count(labels, options)
     # Context parallel: this device's logits are its slots' (ContextSplit) of the
     # model's model_len tokens; the labels are lined up with them, a padding slot's (and
     # a token the model runs beyond the labels, which predicts nothing) left out of the
@@ -280,7 +282,6 @@ class Trainer:
       labels = context.local(jnp.pad(labels, ((0, 0), (0, model_len - seq_len)),
                                      constant_values=fill), fill=fill)
     reduce_over = batch_axes()  # "data" (and "context"): one all-reduce
-    global_count = self._global_count(labels, options) if count is None else count
 
     def token_loss(logits, labels):
       """The summed loss of these logits' tokens over the global count."""
@@ -293,7 +294,7 @@ class Trainer:
       if context is not None:
         scored = context.positions() < seq_len
         per_token = jnp.where(scored[None], per_token, jnp.zeros((), per_token.dtype))
-      return per_token.sum() / global_count
+      return per_token.sum() / count
 
     if model.pipeline is not None and model.pipeline.schedule == "1f1b":
       # Each microbatch's loss taken as it leaves the last stage, its backward begun.
@@ -314,12 +315,13 @@ class Trainer:
   @staticmethod
   def _global_count(labels: jax.Array, options: LossOptions) -> jax.Array | int:
     """How many tokens the step's loss is the mean over, from this device's ``labels [b,
-    S]``: all of the global batch's, or those not ``options.ignore_index``."""
+    S]`` (its data shard's, whole: the same on every context and model device): all of the
+    global batch's, or those not ``options.ignore_index`` (one all-reduce over "data")."""
     batch, seq_len = labels.shape
     if options.ignore_index is None:  # a static count: no communication
       return batch * seq_len * jax.lax.axis_size(flax_tp.DATA_AXIS)
     kept = flax_tp.kept_token_count(labels, options.ignore_index)
-    return jnp.maximum(flax_tp.all_reduce(kept, "sum", batch_axes()), 1.0)
+    return jnp.maximum(flax_tp.all_reduce(kept, "sum", flax_tp.DATA_AXIS), 1.0)
 
   def _accumulated(self, params, tokens, key, labels, *, options: LossOptions,
                    with_aux: bool, differentiate: bool = True, aux_losses: bool = True):
