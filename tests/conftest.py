@@ -44,7 +44,7 @@ def pytest_configure(config):
 
 # FLAX_TP_TEST_COMPILE_REPORT=PATH: per test file, how many programs XLA compiled in this
 # process (spawned processes not counted), the seconds it took, and the persistent
-# cache's hits, written as JSON to PATH.<worker> when the session ends (the README's
+# cache's hits, written as JSON to PATH.<worker>.<pid> when the session ends (the README's
 # table of where the suite's time goes).
 _COMPILES = {}
 _CURRENT = [None]
@@ -74,5 +74,5 @@ def pytest_sessionfinish(session):
   if path and _COMPILES:
     import json
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(f"{path}.{worker}", "w", encoding="utf-8") as f:
+    with open(f"{path}.{worker}.{os.getpid()}", "w", encoding="utf-8") as f:
       json.dump({str(k): v for k, v in _COMPILES.items()}, f, indent=1)
