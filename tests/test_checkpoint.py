@@ -59,6 +59,22 @@ def test_checkpoint_writes_each_logical_element_once_and_async(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+def test_state_holding_nan_or_infinity_is_never_saved(tmp_path):
+  """Checkpointer.save refuses, in one line naming the arrays, a sharded param or a host
+  value holding NaN or infinity; nothing is written, the last good step stays the last."""
+  trainer = _trainer("1x2", 0)
+  ck = Checkpointer(tmp_path / "ck")
+  ck.save(1, {"params": trainer.params}, {"step": 1})
+  flat = list(nnx.to_flat_state(trainer.params))
+  path, var = flat[0]
+  bad = nnx.from_flat_state([(path, var.replace(var[...].at[0].set(jnp.nan)))] + flat[1:])
+  for trees in ({"params": bad}, {"params": trainer.params, "lr": np.float32(np.inf)}):
+    with pytest.raises(CheckpointSaveError, match="refusing to save step 2") as err:
+      ck.save(2, trees, {"step": 2})
+    assert "hold NaN or infinity" in str(err.value) and "\n" not in str(err.value)
+  assert ck.steps() == [1] and not (tmp_path / "ck" / ".tmp-2").exists()
+
+
 def test_broken_checkpoints_are_one_line_errors_and_keep_the_last_good(tmp_path):
   trainer = _trainer("1x2", 0)
   state = {"params": trainer.params}

@@ -5,13 +5,14 @@ import re
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import flax_tp
 from flax_tp.checkpoint import Checkpointer
-from models.config import TransformerConfig
+from models.config import FLAT_FIELDS, TransformerConfig
 from models.transformer import Transformer
 from train.run import main
 from train.step import Trainer, make_optimizer
@@ -142,7 +143,7 @@ def test_checkpoint_moves_across_meshes_exactly(tmp_path, meshes):
     (["--preset", "llama-tiny", "--steps", "3"], "gradient norm", 2),
     (["--preset", "tiny", "--steps", "6", "--eval-every", "1"], "eval loss", 1)])
 def test_a_non_finite_step_stops_and_nothing_non_finite_is_saved(tmp_path, corpus, capsys,
-                                                                 flags, what, last):
+                                                                 monkeypatch, flags, what, last):
   """lr 1e30: the run stops with exit 1 at the first non-finite loss, gradient norm or eval
   loss, before that step is applied or saved; every checkpoint left holds finite params,
   the last stays the last good one, and the metrics file is strict JSON (a non-finite
@@ -161,11 +162,28 @@ def test_a_non_finite_step_stops_and_nothing_non_finite_is_saved(tmp_path, corpu
   records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
              for line in metrics.read_text().splitlines()]
   assert records[-1]["error"].startswith("non-finite") and None in records[-1].values()
+  if what != "loss":
+    return
+  # A checkpoint holding NaN (as one saved before this check could) is refused by export.
+  from train import export
+  meta = checkpointer.read_meta(last)
+  config = {k: v for k, v in meta["run"]["config"].items() if k in FLAT_FIELDS}
+  model = Transformer(TransformerConfig.from_identity(config), mesh=flax_tp.make_mesh("1x2"),
+                      rngs=nnx.Rngs(0))
+  flat = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  path, var = flat[0]
+  flat[0] = (path, var.replace(var[...].at[0].set(jnp.nan)))
+  with monkeypatch.context() as patched:
+    patched.setattr("flax_tp.checkpoint.checkpointer.non_finite", lambda _: [])
+    checkpointer.save(last + 1, {"params": nnx.from_flat_state(flat)}, meta)
+  assert export.main(["--checkpoint", str(ck), "--out", str(tmp_path / "hf")]) == 2
+  err = capsys.readouterr().err
+  assert "holds NaN or infinity" in err and "use an earlier --step" in err, err
+  assert not (tmp_path / "hf").exists()
 
 
 def _saved_params(ck, step) -> list[np.ndarray]:
   """The params of checkpoint ``step`` (read through ``Checkpointer.restore``)."""
-  from models.config import FLAT_FIELDS
   config = Checkpointer(ck).read_meta(step)["run"]["config"]
   cfg = TransformerConfig.from_identity({k: v for k, v in config.items() if k in FLAT_FIELDS})
   model = Transformer(cfg, mesh=flax_tp.make_mesh("1x2"), rngs=nnx.Rngs(0))
