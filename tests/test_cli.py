@@ -294,6 +294,19 @@ def test_a_metrics_file_inside_the_checkpoints_is_refused(tmp_path, capsys, insi
 
 
 @pytest.mark.slow
+def test_a_named_remat_policy_without_scanned_layers_on_cpu_says_it_saves_nothing(tmp_path,
+                                                                                capsys):
+  from helpers import write_small_corpus
+  corpus = write_small_corpus(tmp_path / "corpus.py", files=3)
+  flags = [*TINY_RUN_FLAGS, "--mesh", "1x2", "--steps", "1", "--data", corpus]
+  note = "note: --remat dots_saveable without --scan-layers recomputes nothing on XLA's CPU"
+  assert main([*flags, "--remat", "dots_saveable"]) == 0
+  assert note in capsys.readouterr().out
+  assert main([*flags, "--remat", "dots_saveable", "--scan-layers"]) == 0
+  assert "recomputes nothing" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_huge_mesh_in_a_fresh_process_is_one_line():
   """Without XLA_FLAGS the script would ask XLA for the devices; it refuses first."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
