@@ -737,7 +737,7 @@ PRESETS: dict[str, dict] = {
                       qkv_bias=False, attn_out_bias=False, mlp_bias=False, norm_eps=1e-6,
                       rope_base=1_000_000.0, rope_local_base=10_000.0, qk_norm=True,
                       embed_scale=True, attn_scale=256 ** -0.5, sandwich_norm=True,
-                      sliding_window=512, family="gemma3_text",
+                      sliding_window=512, family="gemma3_text", padding_idx=0,
                       layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(26))),
     # deepseek-ai/DeepSeek-V3 (671B): latent attention (128 heads of 128 + 64, values 128,
     # latents 1536 / 512), yarn over 4096 positions (factor 40, mscale_all_dim 1 on the
@@ -770,7 +770,7 @@ PRESETS: dict[str, dict] = {
                         layer_types=tuple(SLIDING if (i + 1) % 2 else FULL for i in range(24)),
                         sliding_window=128, family="gpt_oss", num_experts=32,
                         experts_per_token=4, router_bias=True, expert_bias=True,
-                        swiglu_limit=7.0),
+                        swiglu_limit=7.0, padding_idx=199_999),
     # allenai/Olmo-3-1025-7B's shapes: 32 heads of 128 (no grouping), q/k norms over the
     # whole projection, norms after attention and the MLP only, 3 sliding layers (window
     # 4096) per full one. Rope as a plain base 500000 on every layer (the release's yarn
@@ -783,5 +783,5 @@ PRESETS: dict[str, dict] = {
                      qk_norm_span="projection", sandwich_norm=True, pre_norm=False,
                      rope_local_base=500_000.0,
                      layer_types=tuple(SLIDING if (i + 1) % 4 else FULL for i in range(32)),
-                     sliding_window=4096, family="olmo3"),
+                     sliding_window=4096, family="olmo3", padding_idx=1),
 }

@@ -18,7 +18,7 @@ def test_the_architecture_holds_no_execution_field():
   names = {f.name for f in dataclasses.fields(Execution)}
   assert names == {"sequence_parallel", "remat", "scan_layers", "fsdp", "context_parallel",
                    "expert_axes", "expert_dispatcher", "microbatches", "pipeline_schedule",
-                   "pipeline_repeats"}
+                   "pipeline_repeats", "pipelined"}
   assert not names & {f.name for f in dataclasses.fields(TransformerConfig)}
   with pytest.raises(ValueError, match="remat must be one of .* got 'sometimes'"):
     Execution(remat="sometimes")
