@@ -149,6 +149,7 @@ class _Run(SetUp):
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
           what = "loss" if not math.isfinite(loss) else "gradient norm"
           return self._stop_at_non_finite(metrics, progress, step + 1, what,
+                                          loss if what == "loss" else grad_norm,
                                           {"loss": loss, "grad_norm": grad_norm})
         elapsed = time.perf_counter() - t0
         if step > start:  # the first step compiles
@@ -168,7 +169,7 @@ class _Run(SetUp):
           self.last_eval = record["eval_loss"] = self.evaluate()
           if not math.isfinite(self.last_eval):  # these params are not saved
             return self._stop_at_non_finite(metrics, progress, done, "eval loss",
-                                            {"eval_loss": self.last_eval})
+                                            self.last_eval, {"eval_loss": self.last_eval})
           progress.console.print(f"step {done}: train loss {loss:.4f}, eval loss "
                                  f"{self.last_eval:.4f}")
         metrics.write(record)
@@ -182,8 +183,9 @@ class _Run(SetUp):
     return None
 
   def _stop_at_non_finite(self, metrics: MetricsWriter, progress: Progress, step: int,
-                          what: str, values: dict[str, float]) -> int:
-    """A NaN/inf ``what`` (loss, gradient norm, eval loss; ``values`` its step's figures)
+                          what: str, value: float, values: dict[str, float]) -> int:
+    """A NaN/inf ``what`` (loss, gradient norm, eval loss) ``value``; ``values``: its
+    step's figures for the metrics file)
     at ``step``: the run stops (exit status 1) with nothing of that step saved; the last
     checkpoint stays the last good one."""
     self.finish_saves()
@@ -191,7 +193,6 @@ class _Run(SetUp):
     kept = (f"last good checkpoint: step {last} in {self.job.checkpoint.dir!r}"
             if last is not None else "no checkpoint was written")
     progress.stop()
-    value = values["grad_norm" if what == "gradient norm" else what.replace(" ", "_")]
     self.errors.print(f"error: {what} is {value} at step {step}; stopping, step {step} not "
                       f"saved ({kept})", markup=False)
     metrics.write({"step": step, **values, "error": f"non-finite {what}"})
