@@ -150,9 +150,14 @@ def subprocess_env(**extra) -> dict[str, str]:
   """The environment of a child Python that must choose its own devices and threads."""
   import os
   from pathlib import Path
+
+  from conftest import FAST_COMPILE_XLA_FLAGS
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
   root = str(Path(__file__).resolve().parent.parent)
-  return {**env, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu", **extra}
+  # The child compiles as the tests do (conftest.FAST_COMPILE_XLA_FLAGS) and picks its
+  # own device count.
+  return {**env, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu",
+          "XLA_FLAGS": " ".join(FAST_COMPILE_XLA_FLAGS), **extra}
 
 
 def wait_for(condition, timeout=60.0, what="the condition") -> None:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN_FLAGS
+from helpers import TINY_RUN_FLAGS, subprocess_env
 
 from train.run import main
 
@@ -20,9 +20,8 @@ RUN = [sys.executable, str(ROOT / "train" / "run.py")]
 
 
 def env(**extra):
-  e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  e.update(JAX_PLATFORMS="cpu", **extra)
-  return e
+  """The child compiles as the tests do and picks its own devices (helpers.subprocess_env)."""
+  return subprocess_env(**extra)
 
 
 @pytest.mark.slow

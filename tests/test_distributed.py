@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TINY_RUN_FLAGS
+from helpers import TINY_RUN_FLAGS, subprocess_env
 
 from train.launch import free_port
 from train.run import main
@@ -30,8 +30,8 @@ def corpus(tmp_path_factory):
 
 
 def clean_env():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("FLAX_TP")}
-  return {**env, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+  env = {k: v for k, v in subprocess_env().items() if not k.startswith("FLAX_TP")}
+  return {**env, "PYTHONUNBUFFERED": "1"}
 
 
 def records(path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import pytest
 from flax import nnx
-from helpers import TINY_RUN_FLAGS, write_small_corpus
+from helpers import TINY_RUN_FLAGS, subprocess_env, write_small_corpus
 
 import flax_tp
 from flax_tp.checkpoint import Checkpointer
@@ -92,8 +92,7 @@ def test_signals_save_the_last_step_and_resume_exactly(tmp_path, corpus):
   uninterrupted run, each step once in the metrics file."""
   steps = "120"  # more than the runs get to before their signals (they stop near 3 and 6)
   common = [*FLAGS, "--mesh", "2x4", "--data", corpus, "--steps", steps]
-  env = {**os.environ}
-  env.pop("XLA_FLAGS")
+  env = subprocess_env()
   ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
   argv = [*common, "--checkpoint-dir", str(ck), "--metrics-file", str(metrics)]
   code, err = _run_until(argv, metrics, 3, signal.SIGINT, env)

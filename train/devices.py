@@ -40,7 +40,9 @@ def provide_mesh_devices(mesh: str, processes: int = 1) -> None:
   if devices % processes:
     raise UsageError(f"--mesh {mesh} has {devices} devices, which "
                      f"{processes} processes cannot share evenly")
-  if devices // processes > MAX_SIMULATED_DEVICES and not os.environ.get("XLA_FLAGS"):
+  from flax_tp.mesh import simulated_device_count
+  chosen = simulated_device_count(os.environ.get("XLA_FLAGS", ""))
+  if devices // processes > MAX_SIMULATED_DEVICES and chosen is None:
     raise UsageError(f"--mesh {mesh} needs {devices:,} devices; at most "
                      f"{MAX_SIMULATED_DEVICES} per process can be simulated on a CPU")
   provide_cpu_devices(devices // processes)

@@ -49,10 +49,33 @@ def machine() -> dict:
           "jax": jax.__version__}
 
 
+# Flags that change only how XLA:CPU's LLVM backend optimises the code it emits (the
+# tests compile with them: tests/conftest.py); results may round differently in the last
+# bit, so the numerics run without them, as a user's run does.
+CODEGEN_FLAGS = ("--xla_backend_optimization_level", "--xla_llvm_disable_expensive_passes")
+
+
 def _env() -> dict:
   env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="100", NO_COLOR="1", TERM="dumb")
   env.pop("FLAX_TP_TRACEBACK", None)
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(CODEGEN_FLAGS)]
+  env["XLA_FLAGS"] = " ".join(flags)
   return env
+
+
+def in_default_codegen(name: str):
+  """``name()`` of this module, computed in a child process without ``CODEGEN_FLAGS``
+  and with 8 simulated devices (the numerics goldens, from a test process)."""
+  env = _env()
+  if "xla_force_host_platform_device_count" not in env["XLA_FLAGS"]:
+    env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+  code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(Path(__file__).parent)!r}]; "
+          f"import record; print(json.dumps(record.{name}()))")
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=1200)
+  if done.returncode:
+    raise RuntimeError(f"record.{name}() failed (rc={done.returncode}):\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.splitlines()[-1])
 
 
 def help_texts() -> dict[str, str]:
