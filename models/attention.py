@@ -7,7 +7,10 @@ cached decoding (the same call over the cache's slots) and the plain-Flax refere
 (``models/reference.py``) all call ``attend``; context parallelism does not change a call
 site, it swaps the core (``core_of``): the keys given are every key (``local``), every
 context device's keys are all-gathered first (``all_gather``), or their blocks travel the
-ring (``ring``, ``flax_tp.ring_attention``).
+ring (``ring``, ``flax_tp.ring_attention``). Where the sequence is not split, the kernel
+is chosen per model (``choose_kernel``, ``Execution.attention``): XLA's einsums
+(``local``) or jax's Pallas splash attention kernel (``Splash``: the ``[b, h, s, s]``
+scores never reach HBM), which runs on a TPU and, in Pallas interpret mode, anywhere.
 
 Positions: ``None`` for both means ``0 .. s-1`` for queries and keys alike (one device's
 causal attention over its whole sequence); otherwise the mask is ``visible_keys`` of the
@@ -19,13 +22,14 @@ context cores, which run inside the step's ``shard_map``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from flax_tp.context import ContextSplit
 from flax_tp.ring_attention import ring_attention
-from models import layer_kinds, ops
+from models import layer_kinds, ops, splash
 from models.config import TransformerConfig
 
 
@@ -49,6 +53,9 @@ class AttentionSpec:
   softcap: float | None = None
   dropout: float = 0.0
   sinks: jax.Array | None = None
+  # The sliding window a traced ``window`` is when it is not ``layer_kinds.UNBOUNDED``
+  # (a scanned model mixing sliding and full layers), for a kernel whose mask is static.
+  sliding: int | None = None
 
   @classmethod
   def of(cls, cfg: TransformerConfig, layer) -> AttentionSpec:
@@ -56,7 +63,9 @@ class AttentionSpec:
     scale = cfg.attn_scale
     if scale is None and cfg.attn_dim != cfg.head_dim:  # heads padded to the value width
       scale = cfg.head_dim ** -0.5
-    return cls(layer_kinds.window_of(cfg, layer), scale, cfg.attn_softcap, cfg.dropout)
+    window = layer_kinds.window_of(cfg, layer)
+    sliding = cfg.sliding_window if isinstance(window, jax.Array) else None
+    return cls(window, scale, cfg.attn_softcap, cfg.dropout, sliding=sliding)
 
   def with_sinks(self, sinks: jax.Array | None) -> AttentionSpec:
     """This spec with the heads' sink logits ``sinks [h]`` (None: unchanged)."""
@@ -106,13 +115,114 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: AttentionSpec,
   return (core or local)(q, k, v, spec, q_positions, k_positions, kv_index, dropout)
 
 
-def core_of(context: ContextSplit | None):
-  """The core that attends over a sequence split as ``context`` says: ``local`` when it
-  is not split (the keys given are every key), else its strategy's (``all_gather`` or
-  ``ring``), whose queries and keys are this context device's slots."""
+def core_of(context: ContextSplit | None, kernel: str = "xla"):
+  """The core that attends over a sequence split as ``context`` says: when it is not
+  split (the keys given are every key) ``kernel``'s, ``local`` ("xla") or ``Splash``
+  ("splash"); else its strategy's (``all_gather`` or ``ring``), whose queries and keys
+  are this context device's slots (XLA's; ``choose_kernel`` refuses splash there)."""
+  if kernel not in ("xla", "splash"):
+    raise ValueError(f"attention kernel must be 'xla' or 'splash', got {kernel!r}")
   if context is None:
-    return local
+    return Splash(interpret=jax.default_backend() != "tpu") if kernel == "splash" else local
+  if kernel == "splash":
+    raise ValueError("the splash attention kernel does not run on a context-split sequence")
   return AllGather(context) if context.strategy == "all_gather" else Ring(context)
+
+
+# Execution.attention's choices: "auto" is splash on a TPU where the model allows it,
+# XLA elsewhere; "xla" and "splash" are asked for (splash where it cannot run: an error).
+KERNELS = ("auto", "xla", "splash")
+
+
+def splash_unavailable(cfg: TransformerConfig, context: int) -> str | None:
+  """Why the splash kernel cannot serve this model's training attention, or None.
+
+  context: the mesh's context-axis size. The kernel computes one device's whole causal
+  sequence; a context shard's blocks (its zigzag slots, the ring's log-sum-exp merge)
+  are not written for it yet. Dropout on the probabilities has no place in the kernel.
+  """
+  if context > 1:
+    return (f"the mesh splits the sequence over {context} context devices, whose blocks "
+            "the kernel does not compute yet")
+  if cfg.dropout > 0.0:
+    return f"dropout {cfg.dropout} on the attention probabilities, which the kernel has not"
+  return None
+
+
+def choose_kernel(asked: str, cfg: TransformerConfig, *, platform: str,
+                  context: int = 1) -> tuple[str, str]:
+  """The kernel every layer's training attention runs, and why, in words: ``("xla" |
+  "splash", reason)``. ``asked``: ``Execution.attention``; ``platform``: the mesh's
+  devices' (``"tpu"``, ``"cpu"``, ...). Splash asked where it cannot run is a
+  ValueError naming the reason; splash asked off a TPU runs in Pallas interpret mode
+  (exact, and slow: for tests). Cached decoding always runs XLA's (one query a row)."""
+  if asked not in KERNELS:
+    raise ValueError(f"attention must be one of {KERNELS}, got {asked!r}")
+  why_not = splash_unavailable(cfg, context)
+  if asked == "xla":
+    return "xla", "asked for"
+  if asked == "splash":
+    if why_not:
+      raise ValueError(f"attention 'splash' cannot run here: {why_not}; use 'auto' or 'xla'")
+    return "splash", ("asked for" if platform == "tpu" else
+                      f"asked for, in Pallas interpret mode on {platform} (slow)")
+  if platform != "tpu":
+    return "xla", f"auto: the kernel is for a TPU, this is {platform}"
+  if why_not:
+    return "xla", f"auto: {why_not}"
+  return "splash", "auto: on a TPU"
+
+
+@dataclasses.dataclass(frozen=True)
+class Splash:
+  """The core of jax's Pallas splash attention kernel over every key (``local``'s
+  arguments, the sequence not split): causal, a sliding window (static, or a traced one
+  choosing between the model's two kinds), soft-capped scores, GPT-OSS's sinks; q scaled
+  before the kernel. Grouped-query attention runs the kernel's shared-kv form per kv
+  head; kv heads copied across groups (``kv_index``) run it per query head. The sequence
+  is padded to the block (``splash.block_for``): a padded key is later than every query, so
+  the causal mask hides it, and the padded queries are cut off. ``interpret``: Pallas
+  interpret mode (any backend: the tests' CPU)."""
+
+  interpret: bool = False
+
+  def __call__(self, q, k, v, spec, q_positions, k_positions, kv_index, dropout):
+    if q_positions is not None or k_positions is not None or dropout is not None:
+      raise ValueError("the splash core attends one whole causal sequence without dropout")
+    b, s, h, d = q.shape
+    g = k.shape[2]
+    scale = d ** -0.5 if spec.scale is None else spec.scale
+    block = splash.block_for(s)
+    seq = -(-s // block) * block
+    pad = lambda t: jnp.pad(t, ((0, 0), (0, seq - s), (0, 0), (0, 0)))
+    q, k, v = pad((q * scale).astype(q.dtype)), pad(k), pad(v)
+    if kv_index is not None:  # each query head's own kv head
+      k, v = jnp.take(k, kv_index, axis=2), jnp.take(v, kv_index, axis=2)
+      g = h
+    shared = g != h
+    heads = h // g if shared else h
+    sinks = None if spec.sinks is None else spec.sinks.astype(jnp.float32)
+    q, k, v, sinks = splash.alike(q, k, v, sinks)
+
+    def run(window):
+      key = splash.KernelKey(seq, heads, window, spec.softcap, shared, self.interpret)
+      if not shared:  # [b, h, S, d] over [b, h, S, d]
+        out = splash.attend(key, *(t.transpose(0, 2, 1, 3) for t in (q, k, v)), sinks)
+        return out
+      # [b, g, h/g, S, d] over [b, g, S, d]: the kernel's shared-kv form per kv head
+      grouped = q.reshape(b, seq, g, heads, d).transpose(0, 2, 3, 1, 4)
+      group_sinks = None if sinks is None else sinks.reshape(g, heads)
+      out = splash.attend(key, grouped, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                          group_sinks)
+      return out.reshape(b, h, seq, d)
+
+    window = spec.window
+    if isinstance(window, jax.Array):  # scanned layers of two kinds: the layer's kernel
+      out = jax.lax.cond(window < layer_kinds.UNBOUNDED, lambda: run(spec.sliding),
+                         lambda: run(None))
+    else:
+      out = run(window)
+    return out.transpose(0, 2, 1, 3)[:, :s].astype(q.dtype)
 
 
 def local(q, k, v, spec, q_positions, k_positions, kv_index, dropout):

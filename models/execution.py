@@ -20,6 +20,9 @@ the model), and applied to a built model in one place, ``apply``, in this order:
    once, on their final shapes, per stage).
 
 Recomputation (``remat``) is read when the blocks run (``flax_tp.remat.run_blocks``).
+The attention kernel (``attention``) is set on each block's attention before step 2
+(``set_attention_kernel``), and the choice is kept, with its reason, as the model's
+``attention_kernel``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import flax_tp
 from flax_tp.context import STRATEGIES as CONTEXT_STRATEGIES
 from flax_tp.data_parallel import shard_over_data
 from flax_tp.remat import REMAT_CHOICES
+from models.attention import KERNELS as ATTENTION_KERNELS, choose_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +77,12 @@ class Execution:
   # so train/generate.py and train/export.py build so, a model mixing dense and expert
   # layers (which no pipeline holds) included.
   pipelined: bool = True
+  # The kernel of attention over a whole sequence in training and prefill: "auto" (jax's
+  # Pallas splash attention kernel on a TPU where the model allows it, XLA's einsums
+  # elsewhere), "xla", or "splash" (an error where it cannot run: a context axis, dropout
+  # on the probabilities; off a TPU it runs in Pallas interpret mode, slowly).
+  # models.attention.choose_kernel decides; the results agree to float rounding.
+  attention: str = "auto"
 
   def __post_init__(self):
     object.__setattr__(self, "expert_axes", flax_tp.MeshAxes.expert_roles(self.expert_axes))
@@ -90,6 +100,9 @@ class Execution:
       raise ValueError(f"pipeline_repeats must be a positive integer or None, got "
                        f"{self.pipeline_repeats!r}")
     flax_tp.StagePlan.of(1, 1, self.pipeline_schedule, self.pipeline_repeats)  # checks both
+    if self.attention not in ATTENTION_KERNELS:
+      raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got "
+                       f"{self.attention!r}")
     if self.expert_dispatcher not in flax_tp.moe.DISPATCHERS:
       raise ValueError(f"expert_dispatcher must be one of {flax_tp.moe.DISPATCHERS}, got "
                        f"{self.expert_dispatcher!r}")
@@ -129,12 +142,28 @@ def set_sequence_parallel(model: Any, on: bool) -> None:
     block.mlp.down.sequence_parallel = on
 
 
+def set_attention_kernel(model: Any, execution: Execution) -> None:
+  """Chooses ``execution.attention``'s kernel for ``model`` (``choose_kernel``: its
+  config, its mesh's platform and context axis) and sets it on every block's attention
+  (one by one, or the stacked modules), in place; ``model.attention_kernel`` keeps
+  ``(kernel, why)``."""
+  platform = model.mesh.devices.flat[0].platform
+  context = flax_tp.MeshAxes.of(model.mesh).context
+  kernel, why = choose_kernel(execution.attention, model.cfg, platform=platform,
+                              context=context)
+  blocks = list(model.blocks) if isinstance(model.blocks, nnx.List) else [model.blocks]
+  for block in blocks:
+    block.attn.attention_kernel = kernel
+  model.attention_kernel = (kernel, why)
+
+
 def apply(model: Any, execution: Execution) -> None:
   """Applies ``execution`` to a freshly built ``Transformer`` (blocks in an ``nnx.List``,
   nothing split over ``"data"``), in place, in the module docstring's order. (The params
   FSDP leaves replicated over ``"data"`` are read back from their records where they are
   reported, after a checkpoint or HF weights are loaded too.)"""
   set_sequence_parallel(model, execution.sequence_parallel)
+  set_attention_kernel(model, execution)
   stages = flax_tp.MeshAxes.of(model.mesh).stage if execution.pipelined else 1
   if stages > 1 and not execution.scan_layers:  # a pipeline's stages hold stacked layers
     execution = dataclasses.replace(execution, scan_layers=True)
@@ -173,10 +202,11 @@ def view(model: Any, execution: Execution) -> Any:
     execution = dataclasses.replace(execution, scan_layers=True)
   if ((held.scan_layers, held.fsdp, held.expert_axes)
       != (execution.scan_layers, execution.fsdp, execution.expert_axes)):
-    raise ValueError(f"a view may change sequence_parallel, remat and context_parallel "
-                     f"only: {held} -> {execution}")
+    raise ValueError(f"a view may change sequence_parallel, remat, context_parallel and "
+                     f"attention only: {held} -> {execution}")
   other = nnx.merge(*nnx.split(model))
   set_sequence_parallel(other, execution.sequence_parallel)
+  set_attention_kernel(other, execution)
   other.execution = execution
   if model.pipeline is not None:  # which layers a stage holds is the params' layout
     plan = execution.stage_plan(model.cfg.num_layers, model.pipeline.stages)

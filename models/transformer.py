@@ -82,6 +82,9 @@ class ParallelAttention(nnx.Module):
     elif cfg.qk_norm:  # over head_dim, replicated: each device norms its own heads
       self.q_norm = cfg.norm_layer(rngs, cfg.head_dim)
       self.k_norm = cfg.norm_layer(rngs, cfg.head_dim)
+    # The kernel of training attention over a whole sequence, "xla" or "splash"
+    # (models.execution.apply sets it from Execution.attention).
+    self.attention_kernel = "xla"
     self.cfg = cfg
 
   @property
@@ -173,7 +176,7 @@ class ParallelAttention(nnx.Module):
     if dropout_key is not None:
       dropout = attention.Dropout(dropout_key, rows, self._head_map()[2])
     out = self._attend(q, k, v, layer, dropout=dropout,
-                       core=attention.core_of(layout.context))
+                       core=attention.core_of(layout.context, self.attention_kernel))
     out = self.o(layout.for_scatter(out))
     return (out, (k, v)) if return_kv else out
 
@@ -261,6 +264,9 @@ class LatentAttention(ParallelAttention):
                                             shard_unit=nope + value, **column)
     self.o = flax_tp.RowParallelDense(heads * value, cfg.d_model, input_is_parallel=True,
                                       shard_unit=value, use_bias=attention.out_bias, **kw)
+    # The kernel of training attention over a whole sequence, "xla" or "splash"
+    # (models.execution.apply sets it from Execution.attention).
+    self.attention_kernel = "xla"
     self.cfg = cfg
 
   @property

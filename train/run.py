@@ -38,6 +38,7 @@ from flax_tp.mesh import MeshAxes
 from flax_tp.pipeline import SCHEDULES
 from flax_tp.remat import REMAT_CHOICES
 from flax_tp.run_lock import LOCK_NAME
+from models.attention import KERNELS as ATTENTION_KERNELS
 from models.config import ABSTRACT_ONLY, TransformerConfig
 from models.execution import Execution
 from train import distributed as train_distributed
@@ -128,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="on a mesh with a context axis (DxCxM), how attention reaches the other "
                       "context shards' keys: all_gather them, or pass k/v blocks around a "
                       "ring (memory of two blocks whatever C); same results")
+  p.add_argument("--attention", default=Execution.attention, choices=ATTENTION_KERNELS,
+                 help="the attention kernel: 'splash' (jax's Pallas splash attention: the "
+                      "scores never reach HBM), 'xla' (XLA's einsums), or 'auto': splash on "
+                      "a TPU where the model allows it, XLA elsewhere; same results to "
+                      "float rounding")
   p.add_argument("--expert-axes", default=",".join(Execution.expert_axes),
                  help="mixture of experts: the mesh axes the experts split over, 'data' and "
                       "any of 'context' (each context shard's tokens reach the experts on "

@@ -14,6 +14,7 @@ from rich.console import Console
 import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError
 from flax_tp.param_info import ParamInfo
+from models.splash import block_for as splash_block
 from models.config import TransformerConfig
 from models.execution import Execution
 from train.data import TokenCorpus
@@ -112,6 +113,18 @@ def _roles(mesh) -> str:
 
 def _mib(n: int) -> str:
   return f"{n / 2**20:.2f} MiB"
+
+
+def attention_line(model, execution: Execution, *, seq_len: int) -> str | None:
+  """The start-up line of the attention kernel the layers run and why; None where it is
+  XLA's by default off a TPU (nothing to say)."""
+  kernel, why = model.attention_kernel
+  platform = model.mesh.devices.flat[0].platform
+  if kernel == "xla" and execution.attention == "auto" and platform != "tpu":
+    return None
+  what = (f"splash (jax's Pallas kernel, blocks of {splash_block(seq_len)})"
+          if kernel == "splash" else "xla (einsums, the scores in HBM)")
+  return f"attention: {what} on every layer in training ({why}); cached decoding: xla"
 
 
 class SetUp:
@@ -268,6 +281,10 @@ class SetUp:
                   f"sharded {_mib(summary['sharded_bytes_per_device'])}, replicated "
                   f"{_mib(summary['replicated_bytes_per_device'])}"
                   + (f" | {', '.join(options)}" if options else ""))
+    line = attention_line(self.trainer.model(self.params), self.execution,
+                          seq_len=job.model.seq_len)
+    if line:
+      console.print(line, markup=False)
     if self.cfg.has_experts:
       # A step's dispatch sees the global batch, each row's S + 1 tokens.
       console.print(experts_line(self.cfg, flax_tp.MeshAxes.of(mesh),
