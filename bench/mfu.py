@@ -55,6 +55,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--remat", default="",
                  help="comma-separated recomputation settings to time flax_tp under too "
                       "(block, dots_saveable, ...)")
+  p.add_argument("--attention", default="auto",
+                 help="comma-separated Execution.attention kernels to time flax_tp with "
+                      "(auto, xla, splash)")
+  p.add_argument("--peers", default=None,
+                 help="comma-separated attention kernels of the independent plain-JAX peer "
+                      "(bench/peer_llama.py) to time beside: splash, xla (default: both on "
+                      "a TPU, xla elsewhere); 'none' for none")
+  p.add_argument("--plain-flax", action=argparse.BooleanOptionalAction, default=True,
+                 help="time plain Flax (models/reference.py) too")
   p.add_argument("--repeats", type=positive_int, default=10)
   p.add_argument("--peak-tflops", type=float, default=None,
                  help="the device's peak dense TFLOP/s for --dtype (default: datasheet)")
@@ -75,6 +84,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name in args.presets:
     if name not in TransformerConfig.preset_names():
       p.error(f"unknown preset {name!r}; expected some of {TransformerConfig.preset_names()}")
+  args.attention = [name for name in args.attention.split(",") if name]
+  from models.attention import KERNELS
+  for name in args.attention:
+    if name not in KERNELS:
+      p.error(f"unknown --attention {name!r}; expected some of {KERNELS}")
+  if args.peers is not None:
+    args.peers = [] if args.peers == "none" else [n for n in args.peers.split(",") if n]
+    for name in args.peers:
+      if name not in ("splash", "xla"):
+        p.error(f"unknown --peers {name!r}; expected some of ('splash', 'xla') or 'none'")
   args.remat = [name for name in args.remat.split(",") if name]
   for name in args.remat:
     if name not in REMAT_CHOICES:
@@ -119,8 +138,12 @@ def main(argv=None) -> int:
 
   try:
     for preset, batch, seq in todo:
+      peers = args.peers
+      if peers is None:
+        peers = ["splash", "xla"] if device.platform == "tpu" else ["xla"]
       row = measure_point(TransformerConfig.preset(preset, dtype=args.dtype), batch, seq,
-                          args.remat, mesh, tx, args.repeats, peak)
+                          args.remat, mesh, tx, args.repeats, peak,
+                          attention=args.attention, peers=peers, plain_flax=args.plain_flax)
       results["points"].append({"preset": preset, **row})
       log(json.dumps(results["points"][-1]))
       save()
@@ -134,24 +157,36 @@ def main(argv=None) -> int:
   return 0
 
 
+def flax_tp_name(attention: str, remat: str) -> str:
+  """A flax_tp contender's name: "flax_tp", "flax_tp attention=xla remat=block", ..."""
+  return " ".join(["flax_tp", *([f"attention={attention}"] if attention != "auto" else []),
+                   *([f"remat={remat}"] if remat != "none" else [])])
+
+
 def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeats: int,
-                  peak: float) -> dict:
+                  peak: float, *, attention=("auto",), peers=(), plain_flax=True) -> dict:
   """One preset at one ``batch x seq``: each contender's median step and MFU, or
-  "out of memory"."""
+  "out of memory". flax_tp under each of ``attention`` (without recomputation, and with
+  each of ``remats``), the independent peer (``bench/peer_llama.py``) with each of
+  ``peers``' attention, and plain Flax."""
   import dataclasses
 
   import numpy as np
 
-  from bench import peers
+  from bench import peer_llama, peers as flax_peers
   from models.execution import Execution
   cfg = dataclasses.replace(cfg, max_seq_len=max(seq, cfg.max_seq_len))
-  tokens = np.asarray(peers.tokens_for(cfg, batch, seq))
+  tokens = np.asarray(flax_peers.tokens_for(cfg, batch, seq))
   row = {"batch": batch, "seq": seq}
-  builders = {"flax_tp" if remat == "none" else f"flax_tp remat={remat}":
-              (lambda remat=remat: flax_tp_contender(cfg, mesh, tokens, tx,
-                                                      Execution(remat=remat))[1])
-              for remat in ["none", *remats]}
-  builders["plain Flax"] = lambda: peer_contender(peers.single(cfg, tx), tokens)[0]
+  builders = {flax_tp_name(kernel, remat):
+              (lambda kernel=kernel, remat=remat: flax_tp_contender(
+                  cfg, mesh, tokens, tx, Execution(remat=remat, attention=kernel))[1])
+              for kernel in attention for remat in ["none", *remats]}
+  for kind in peers:
+    builders[f"peer {kind}"] = lambda kind=kind: peer_contender(
+        peer_llama.PeerLlama(cfg, tx, kind, seq=seq), tokens)[0]
+  if plain_flax:
+    builders["plain Flax"] = lambda: peer_contender(flax_peers.single(cfg, tx), tokens)[0]
   medians = time_together(builders, repeats)
   row["timing"] = "interleaved"
   if medians is None:
@@ -175,6 +210,9 @@ def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeat
       row[name] = {"step_s": seconds, "mfu": flops / seconds / (peak * 1e12)}
     if "flax_tp" in medians and "plain Flax" in medians:
       row["flax_tp / plain Flax"] = medians["flax_tp"] / medians["plain Flax"]
+    peer_times = [t for name, t in medians.items() if name.startswith("peer ")]
+    if "flax_tp" in medians and peer_times:
+      row["flax_tp / best peer"] = medians["flax_tp"] / min(peer_times)
   return row
 
 

@@ -22,7 +22,6 @@ context cores, which run inside the step's ``shard_map``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

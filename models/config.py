@@ -627,7 +627,10 @@ def check_architecture_fields(overrides: dict) -> None:
   """Refuses, naming it, an execution option given where architecture fields go (they
   were ``TransformerConfig`` fields before the execution record)."""
   from models.execution import Execution  # (it imports flax_tp; this module need not)
-  wrong = sorted(set(overrides) & {f.name for f in dataclasses.fields(Execution)})
+  # (``attention`` is both: the config's record of what attention is, and the execution's
+  # kernel choice; given here it is the record)
+  wrong = sorted(set(overrides) & {f.name for f in dataclasses.fields(Execution)}
+                 - {f.name for f in dataclasses.fields(TransformerConfig)})
   if wrong:
     raise ValueError(f"{wrong[0]} is how a step runs, not what the model is: pass "
                      f"execution=Execution({wrong[0]}=...) to Transformer or load_hf")

@@ -18,8 +18,12 @@ def test_the_architecture_holds_no_execution_field():
   names = {f.name for f in dataclasses.fields(Execution)}
   assert names == {"sequence_parallel", "remat", "scan_layers", "fsdp", "context_parallel",
                    "expert_axes", "expert_dispatcher", "microbatches", "pipeline_schedule",
-                   "pipeline_repeats", "pipelined"}
-  assert not names & {f.name for f in dataclasses.fields(TransformerConfig)}
+                   "pipeline_repeats", "pipelined", "attention"}
+  # one name on both, meaning two things: the config's Attention record (what attention
+  # is) and Execution's kernel choice (how it runs; the accelerator issue's spelling)
+  assert names & {f.name for f in dataclasses.fields(TransformerConfig)} == {"attention"}
+  with pytest.raises(ValueError, match="fsdp is how a step runs"):
+    TransformerConfig.preset("tiny", fsdp=True)
   with pytest.raises(ValueError, match="remat must be one of .* got 'sometimes'"):
     Execution(remat="sometimes")
   assert Execution(sequence_parallel=True, remat="block", fsdp=True).describe() == [
@@ -57,8 +61,8 @@ def test_apply_in_its_order_and_a_view_shares_the_params():
   for a, b in zip(jax.tree.leaves(nnx.state(plain)), jax.tree.leaves(nnx.state(model)),
                   strict=True):
     assert a is b  # the same arrays, not copies
-  with pytest.raises(ValueError, match="a view may change sequence_parallel, remat and "
-                     "context_parallel only"):
+  with pytest.raises(ValueError, match="a view may change sequence_parallel, remat, "
+                     "context_parallel and attention only"):
     view(model, Execution())
 
 

@@ -14,9 +14,9 @@ from rich.console import Console
 import flax_tp
 from flax_tp.checkpoint import Checkpointer, CheckpointError
 from flax_tp.param_info import ParamInfo
-from models.splash import block_for as splash_block
 from models.config import TransformerConfig
 from models.execution import Execution
+from models.splash import block_for as splash_block
 from train.data import TokenCorpus
 from train.errors import UsageError
 from train.hf_folder import hf_model_and_tokenizer
