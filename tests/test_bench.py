@@ -201,16 +201,20 @@ def test_mfu_bench_smoke(tmp_path):
   untied = TransformerConfig.preset("llama-tiny", tie_embeddings=False)
   assert param_count(untied) == row["params"] + 259 * 24
   assert model_flops(untied, param_count(untied), 2, 8) == row["model_flops"]
-  for name in ("flax_tp", "flax_tp remat=block", "plain Flax"):
+  # the independent peer (bench/peer_llama.py) with XLA's attention, off a TPU
+  for name in ("flax_tp", "flax_tp remat=block", "plain Flax", "peer xla"):
     step = row[name]["step_s"]
     assert step > 0 and row[name]["mfu"] == pytest.approx(row["model_flops"] / step / 1e12)
   assert row["flax_tp / plain Flax"] == pytest.approx(
       row["flax_tp"]["step_s"] / row["plain Flax"]["step_s"])
+  assert row["flax_tp / best peer"] == pytest.approx(
+      row["flax_tp"]["step_s"] / row["peer xla"]["step_s"])
 
 
 @pytest.mark.parametrize("argv", [["--points", "16x"], ["--points", "0x8"], ["--repeats", "0"],
                                   ["--peak-tflops", "-1"], ["--presets", "llama-1b"],
-                                  ["--remat", "block,sometimes"]])
+                                  ["--remat", "block,sometimes"], ["--attention", "flash"],
+                                  ["--peers", "splash,flash"]])
 def test_mfu_bench_refuses_bad_values(argv, capsys):
   from bench.mfu import main as mfu_main
   try:
@@ -256,7 +260,7 @@ def test_mfu_bench_keeps_the_points_measured_before_an_interrupt(tmp_path, monke
   import bench.mfu
   calls = []
 
-  def measure_point(cfg, batch, seq, *rest):
+  def measure_point(cfg, batch, seq, *rest, **options):
     calls.append((batch, seq))
     if len(calls) == 2:
       raise KeyboardInterrupt
