@@ -138,6 +138,11 @@ def test_family_equals_transformers(meshes, name, mesh_spec):
     # each expert whole on one device: 8 experts over data x model
     pytest.param("qwen3_moe", "2x4", Execution(expert_axes=("data", "model")),
                  marks=pytest.mark.slow),
+    # jax's splash attention kernel (Pallas interpret mode here) with GPT-OSS's sinks and
+    # sliding layers, and with Gemma 2's soft cap and windows, against transformers
+    pytest.param("gpt_oss", "2x4", Execution(attention="splash"), marks=pytest.mark.slow),
+    pytest.param("gemma2", "1x3", Execution(attention="splash", scan_layers=True),
+                 marks=pytest.mark.slow),
     pytest.param("mixtral", "4x2", Execution(expert_axes=("data", "model"),
                                              sequence_parallel=True, scan_layers=True),
                  marks=pytest.mark.slow),
