@@ -34,20 +34,25 @@ MUTANTS = {
         "weights = None if layout is None else layout.replica_weights()",
         "weights = None",
         ["tests/test_transformer.py", "-k", "grouped_query_attention_equivalence"]),
-    "padding not masked (its gradient free to move it)": (
-        "flax_tp/padding.py",
-        "  if layout.is_even:\n    return param\n  mask",
-        "  if True:\n    return param\n  mask",
-        ["tests/test_linear.py"]),
+    # (Padding a param holds is stored as zero and gets no gradient on any path tested,
+    # so dropping flax_tp.padding.masked changes no result: an equivalent mutant. The
+    # vocabulary's padded logit columns are a mask that matters.)
+    "the vocabulary's padded logits left in the softmax": (
+        "flax_tp/loss.py",
+        "valid = None if layout.is_even else layout.local_mask(index)",
+        "valid = None",
+        ["tests/test_loss.py"]),
     "data-parallel gradients averaged, not summed": (
         "flax_tp/collectives.py",
         "flat = jax.lax.psum(jnp.concatenate([cotangents[i].reshape(-1) for i in bucket]),",
         "flat = jax.lax.pmean(jnp.concatenate([cotangents[i].reshape(-1) for i in bucket]),",
         ["tests/test_data_parallel.py"]),
-    "rotary's halves swapped": (
+    # (Swapping the two output halves permutes q's and k's dims alike, which leaves every
+    # q.k as it was: an equivalent mutant. Swapping the halves' roles rotates backwards.)
+    "rotary's halves in each other's roles": (
         "models/ops.py",
         "out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)",
-        "out = jnp.concatenate([x2 * cos + x1 * sin, x1 * cos - x2 * sin], axis=-1)",
+        "out = jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)",
         ["tests/test_families.py", "-k", "test_family_equals_transformers and llama3"]),
     "a sliding window one key too wide": (
         "models/attention.py",
