@@ -345,20 +345,30 @@ def test_export_never_writes_over_another_model(tmp_path, capsys):
   assert (out / "config.json").read_text() == "{}"
 
 
-@pytest.mark.slow
-def test_a_context_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
-  """--mesh 2x2x2 logs the losses --mesh 2x4 does (same global batch), with either
-  context-parallel strategy, and its checkpoint resumes on 1x8 (no param depends on
-  the context axis)."""
+def _in_process_runs(tmp_path, capsys):
+  """``run(mesh, name, steps, *flags)`` -> (stdout, logged losses) of ``train/run.py``'s
+  ``main`` in this process on the tiny preset."""
   from helpers import logged_losses
+
+  from train.run import main
 
   def run(mesh, name, steps, *extra):
     metrics = tmp_path / f"{name}.jsonl"
-    out = subprocess.run([*RUN, *TINY_RUN_FLAGS, "--mesh", mesh, "--steps", str(steps),
-                          "--metrics-file", str(metrics), *extra],
-                         capture_output=True, text=True, env=env(), timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout, logged_losses(metrics)
+    capsys.readouterr()
+    code = main([*TINY_RUN_FLAGS, "--mesh", mesh, "--steps", str(steps), "--metrics-file",
+                 str(metrics), *extra])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    return out.out, logged_losses(metrics)
+  return run
+
+
+@pytest.mark.slow
+def test_a_context_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path, capsys):
+  """--mesh 2x2x2 logs the losses --mesh 2x4 does (same global batch), with either
+  context-parallel strategy, and its checkpoint resumes on 1x8 (no param depends on
+  the context axis). (In this process: nothing here is about the process.)"""
+  run = _in_process_runs(tmp_path, capsys)
 
   def ckpt(name):
     return ["--checkpoint-dir", str(tmp_path / name), "--checkpoint-every", "2"]
@@ -381,20 +391,12 @@ def test_a_context_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_pipelined_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
+def test_a_pipelined_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path, capsys):
   """--mesh stage=2,data=2,model=2 --microbatches 4 logs the losses --mesh 2x4 does (the
   same global batch), says which layers each stage holds and the bubble, and its
   checkpoint (the unpipelined model's) resumes on 1x8 as 2x4's does; the circular
-  and 1F1B schedules log the same losses."""
-  from helpers import logged_losses
-
-  def run(mesh, name, steps, *extra):
-    metrics = tmp_path / f"{name}.jsonl"
-    out = subprocess.run([*RUN, *TINY_RUN_FLAGS, "--mesh", mesh, "--steps", str(steps),
-                          "--metrics-file", str(metrics), *extra],
-                         capture_output=True, text=True, env=env(), timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout, logged_losses(metrics)
+  and 1F1B schedules log the same losses. (In this process.)"""
+  run = _in_process_runs(tmp_path, capsys)
 
   def ckpt(name):
     return ["--checkpoint-dir", str(tmp_path / name), "--checkpoint-every", "2"]
@@ -423,20 +425,21 @@ def test_a_pipelined_mesh_trains_as_2x4_and_resumes_on_1x8(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_mixture_of_experts_trains_on_a_context_mesh_as_on_2x4(tmp_path):
+def test_a_mixture_of_experts_trains_on_a_context_mesh_as_on_2x4(tmp_path, capsys):
   """moe-tiny with a capacity that drops: --mesh 2x2x2 logs the losses and the router
   figures (load, drops) --mesh 2x4 does, with the experts over data or over data x
   context: each context shard's tokens are routed, and a capacity drops what it drops
-  over the whole batch."""
+  over the whole batch. (In this process.)"""
   import json
+
+  from train.run import main
 
   def run(mesh, *extra):
     metrics = tmp_path / f"{mesh}{len(extra)}.jsonl"
-    out = subprocess.run([*RUN, *TINY_RUN_FLAGS, "--preset", "moe-tiny", "--seq-len", "13",
-                          "--expert-capacity-factor", "0.75", "--mesh", mesh, "--steps", "3",
-                          "--metrics-file", str(metrics), *extra],
-                         capture_output=True, text=True, env=env(), timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    code = main([*TINY_RUN_FLAGS, "--preset", "moe-tiny", "--seq-len", "13",
+                 "--expert-capacity-factor", "0.75", "--mesh", mesh, "--steps", "3",
+                 "--metrics-file", str(metrics), *extra])
+    assert code == 0, capsys.readouterr().err[-2000:]
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
 
   plain = run("2x4")
