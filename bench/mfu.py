@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if name not in TransformerConfig.preset_names():
       p.error(f"unknown preset {name!r}; expected some of {TransformerConfig.preset_names()}")
   args.attention = [name for name in args.attention.split(",") if name]
-  from models.attention import KERNELS
+  from models.splash import KERNELS
   for name in args.attention:
     if name not in KERNELS:
       p.error(f"unknown --attention {name!r}; expected some of {KERNELS}")

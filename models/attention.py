@@ -8,7 +8,7 @@ cached decoding (the same call over the cache's slots) and the plain-Flax refere
 site, it swaps the core (``core_of``): the keys given are every key (``local``), every
 context device's keys are all-gathered first (``all_gather``), or their blocks travel the
 ring (``ring``, ``flax_tp.ring_attention``). Where the sequence is not split, the kernel
-is chosen per model (``choose_kernel``, ``Execution.attention``): XLA's einsums
+is chosen per model (``splash.choose_kernel``, ``Execution.attention``): XLA's einsums
 (``local``) or jax's Pallas splash attention kernel (``Splash``: the ``[b, h, s, s]``
 scores never reach HBM), which runs on a TPU and, in Pallas interpret mode, anywhere.
 
@@ -118,7 +118,7 @@ def core_of(context: ContextSplit | None, kernel: str = "xla"):
   """The core that attends over a sequence split as ``context`` says: when it is not
   split (the keys given are every key) ``kernel``'s, ``local`` ("xla") or ``Splash``
   ("splash"); else its strategy's (``all_gather`` or ``ring``), whose queries and keys
-  are this context device's slots (XLA's; ``choose_kernel`` refuses splash there)."""
+  are this context device's slots (XLA's; ``splash.choose_kernel`` refuses splash there)."""
   if kernel not in ("xla", "splash"):
     raise ValueError(f"attention kernel must be 'xla' or 'splash', got {kernel!r}")
   if context is None:
@@ -126,50 +126,6 @@ def core_of(context: ContextSplit | None, kernel: str = "xla"):
   if kernel == "splash":
     raise ValueError("the splash attention kernel does not run on a context-split sequence")
   return AllGather(context) if context.strategy == "all_gather" else Ring(context)
-
-
-# Execution.attention's choices: "auto" is splash on a TPU where the model allows it,
-# XLA elsewhere; "xla" and "splash" are asked for (splash where it cannot run: an error).
-KERNELS = ("auto", "xla", "splash")
-
-
-def splash_unavailable(cfg: TransformerConfig, context: int) -> str | None:
-  """Why the splash kernel cannot serve this model's training attention, or None.
-
-  context: the mesh's context-axis size. The kernel computes one device's whole causal
-  sequence; a context shard's blocks (its zigzag slots, the ring's log-sum-exp merge)
-  are not written for it yet. Dropout on the probabilities has no place in the kernel.
-  """
-  if context > 1:
-    return (f"the mesh splits the sequence over {context} context devices, whose blocks "
-            "the kernel does not compute yet")
-  if cfg.dropout > 0.0:
-    return f"dropout {cfg.dropout} on the attention probabilities, which the kernel has not"
-  return None
-
-
-def choose_kernel(asked: str, cfg: TransformerConfig, *, platform: str,
-                  context: int = 1) -> tuple[str, str]:
-  """The kernel every layer's training attention runs, and why, in words: ``("xla" |
-  "splash", reason)``. ``asked``: ``Execution.attention``; ``platform``: the mesh's
-  devices' (``"tpu"``, ``"cpu"``, ...). Splash asked where it cannot run is a
-  ValueError naming the reason; splash asked off a TPU runs in Pallas interpret mode
-  (exact, and slow: for tests). Cached decoding always runs XLA's (one query a row)."""
-  if asked not in KERNELS:
-    raise ValueError(f"attention must be one of {KERNELS}, got {asked!r}")
-  why_not = splash_unavailable(cfg, context)
-  if asked == "xla":
-    return "xla", "asked for"
-  if asked == "splash":
-    if why_not:
-      raise ValueError(f"attention 'splash' cannot run here: {why_not}; use 'auto' or 'xla'")
-    return "splash", ("asked for" if platform == "tpu" else
-                      f"asked for, in Pallas interpret mode on {platform} (slow)")
-  if platform != "tpu":
-    return "xla", f"auto: the kernel is for a TPU, this is {platform}"
-  if why_not:
-    return "xla", f"auto: {why_not}"
-  return "splash", "auto: on a TPU"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ import flax_tp
 from flax_tp.context import STRATEGIES as CONTEXT_STRATEGIES
 from flax_tp.data_parallel import shard_over_data
 from flax_tp.remat import REMAT_CHOICES
-from models.attention import KERNELS as ATTENTION_KERNELS, choose_kernel
+from models.splash import KERNELS as ATTENTION_KERNELS, choose_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Execution:
   # Pallas splash attention kernel on a TPU where the model allows it, XLA's einsums
   # elsewhere), "xla", or "splash" (an error where it cannot run: a context axis, dropout
   # on the probabilities; off a TPU it runs in Pallas interpret mode, slowly).
-  # models.attention.choose_kernel decides; the results agree to float rounding.
+  # models.splash.choose_kernel decides; the results agree to float rounding.
   attention: str = "auto"
 
   def __post_init__(self):

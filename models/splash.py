@@ -1,4 +1,5 @@
-"""jax's Pallas splash attention kernel, called per device inside the step's ``shard_map``.
+"""jax's Pallas splash attention kernel, called per device inside the step's ``shard_map``,
+and when a model runs it (``choose_kernel``: ``Execution.attention``'s choice).
 
 ``attend(key, q, k, v, sinks)`` runs the kernel (``jax.experimental.pallas.ops.tpu
 .splash_attention``) that ``key`` names over a batch: ``q [b, h, S, d]`` over ``k, v [b,
@@ -28,6 +29,50 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+# Execution.attention's choices: "auto" is splash on a TPU where the model allows it,
+# XLA elsewhere; "xla" and "splash" are asked for (splash where it cannot run: an error).
+KERNELS = ("auto", "xla", "splash")
+
+
+def splash_unavailable(cfg, context: int) -> str | None:
+  """Why the splash kernel cannot serve this model's training attention, or None.
+
+  context: the mesh's context-axis size. The kernel computes one device's whole causal
+  sequence; a context shard's blocks (its zigzag slots, the ring's log-sum-exp merge)
+  are not written for it yet. Dropout on the probabilities has no place in the kernel.
+  """
+  if context > 1:
+    return (f"the mesh splits the sequence over {context} context devices, whose blocks "
+            "the kernel does not compute yet")
+  if cfg.dropout > 0.0:
+    return f"dropout {cfg.dropout} on the attention probabilities, which the kernel has not"
+  return None
+
+
+def choose_kernel(asked: str, cfg, *, platform: str,
+                  context: int = 1) -> tuple[str, str]:
+  """The kernel every layer's training attention runs, and why, in words: ``("xla" |
+  "splash", reason)``. ``asked``: ``Execution.attention``; ``platform``: the mesh's
+  devices' (``"tpu"``, ``"cpu"``, ...). Splash asked where it cannot run is a
+  ValueError naming the reason; splash asked off a TPU runs in Pallas interpret mode
+  (exact, and slow: for tests). Cached decoding always runs XLA's (one query a row)."""
+  if asked not in KERNELS:
+    raise ValueError(f"attention must be one of {KERNELS}, got {asked!r}")
+  why_not = splash_unavailable(cfg, context)
+  if asked == "xla":
+    return "xla", "asked for"
+  if asked == "splash":
+    if why_not:
+      raise ValueError(f"attention 'splash' cannot run here: {why_not}; use 'auto' or 'xla'")
+    return "splash", ("asked for" if platform == "tpu" else
+                      f"asked for, in Pallas interpret mode on {platform} (slow)")
+  if platform != "tpu":
+    return "xla", f"auto: the kernel is for a TPU, this is {platform}"
+  if why_not:
+    return "xla", f"auto: {why_not}"
+  return "splash", "auto: on a TPU"
+
 
 # The kernel's blocks: a multiple of 128 (its lanes) and at most 512, MaxText's choice on
 # v5e (jax's default 128 is slower there); the sequence is padded to a block.

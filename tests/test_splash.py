@@ -106,7 +106,7 @@ def test_blocks_follow_the_length():
 ])
 def test_the_kernel_each_choice_runs_and_why(asked, platform, context, dropout, expected):
   cfg = TransformerConfig.preset("llama-tiny", dropout=dropout)
-  assert attention.choose_kernel(asked, cfg, platform=platform, context=context) == expected
+  assert splash.choose_kernel(asked, cfg, platform=platform, context=context) == expected
 
 
 @pytest.mark.parametrize("mesh_spec,dropout,named", [

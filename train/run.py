@@ -38,17 +38,17 @@ from flax_tp.mesh import MeshAxes
 from flax_tp.pipeline import SCHEDULES
 from flax_tp.remat import REMAT_CHOICES
 from flax_tp.run_lock import LOCK_NAME
-from models.attention import KERNELS as ATTENTION_KERNELS
 from models.config import ABSTRACT_ONLY, TransformerConfig
 from models.execution import Execution
+from models.splash import KERNELS as ATTENTION_KERNELS
 from train import distributed as train_distributed
 from train.cli import (
-    INT_MAX,
-    SEED_LIMIT,
-    DefaultsHelpFormatter,
-    UsageParser,
-    exit_ladder,
-    one_line,
+  INT_MAX,
+  SEED_LIMIT,
+  DefaultsHelpFormatter,
+  UsageParser,
+  exit_ladder,
+  one_line,
 )
 from train.devices import provide_mesh_devices
 from train.job import DEFAULTS, target_globs
