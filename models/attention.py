@@ -162,8 +162,7 @@ class Splash:
     def run(window):
       key = splash.KernelKey(seq, heads, window, spec.softcap, shared, self.interpret)
       if not shared:  # [b, h, S, d] over [b, h, S, d]
-        out = splash.attend(key, *(t.transpose(0, 2, 1, 3) for t in (q, k, v)), sinks)
-        return out
+        return splash.attend(key, *(t.transpose(0, 2, 1, 3) for t in (q, k, v)), sinks)
       # [b, g, h/g, S, d] over [b, g, S, d]: the kernel's shared-kv form per kv head
       grouped = q.reshape(b, seq, g, heads, d).transpose(0, 2, 3, 1, 4)
       group_sinks = None if sinks is None else sinks.reshape(g, heads)

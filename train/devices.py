@@ -32,7 +32,7 @@ def provide_cpu_devices(count: int) -> None:
 
 def provide_mesh_devices(mesh: str, processes: int = 1) -> None:
   """Checks ``--mesh`` (UsageError) and provides this process's share of its CPU devices."""
-  from flax_tp.mesh import MeshAxes
+  from flax_tp.mesh import MeshAxes, simulated_device_count
   try:
     devices = MeshAxes.parse(mesh).devices
   except ValueError as err:
@@ -40,7 +40,6 @@ def provide_mesh_devices(mesh: str, processes: int = 1) -> None:
   if devices % processes:
     raise UsageError(f"--mesh {mesh} has {devices} devices, which "
                      f"{processes} processes cannot share evenly")
-  from flax_tp.mesh import simulated_device_count
   chosen = simulated_device_count(os.environ.get("XLA_FLAGS", ""))
   if devices // processes > MAX_SIMULATED_DEVICES and chosen is None:
     raise UsageError(f"--mesh {mesh} needs {devices:,} devices; at most "
