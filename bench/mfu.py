@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--remat", default="",
                  help="comma-separated recomputation settings to time flax_tp under too "
                       "(block, dots_saveable, ...)")
+  p.add_argument("--loss-chunks", default="",
+                 help="comma-separated Execution.loss_chunks counts (> 1) to time flax_tp "
+                      "under too, beside 1 (with each --remat)")
   p.add_argument("--attention", default="auto",
                  help="comma-separated Execution.attention kernels to time flax_tp with "
                       "(auto, xla, splash)")
@@ -94,6 +97,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in args.peers:
       if name not in ("splash", "xla"):
         p.error(f"unknown --peers {name!r}; expected some of ('splash', 'xla') or 'none'")
+  given = args.loss_chunks
+  try:
+    args.loss_chunks = [int(n) for n in given.split(",") if n]
+    if any(n < 2 for n in args.loss_chunks):
+      raise ValueError
+  except ValueError:
+    p.error(f"--loss-chunks must be integers > 1, got {given!r}")
   args.remat = [name for name in args.remat.split(",") if name]
   for name in args.remat:
     if name not in REMAT_CHOICES:
@@ -143,7 +153,8 @@ def main(argv=None) -> int:
         peers = ["splash", "xla"] if device.platform == "tpu" else ["xla"]
       row = measure_point(TransformerConfig.preset(preset, dtype=args.dtype), batch, seq,
                           args.remat, mesh, tx, args.repeats, peak,
-                          attention=args.attention, peers=peers, plain_flax=args.plain_flax)
+                          attention=args.attention, peers=peers, plain_flax=args.plain_flax,
+                          loss_chunks=args.loss_chunks)
       results["points"].append({"preset": preset, **row})
       log(json.dumps(results["points"][-1]))
       save()
@@ -157,17 +168,19 @@ def main(argv=None) -> int:
   return 0
 
 
-def flax_tp_name(attention: str, remat: str) -> str:
+def flax_tp_name(attention: str, remat: str, loss_chunks: int = 1) -> str:
   """A flax_tp contender's name: "flax_tp", "flax_tp attention=xla remat=block", ..."""
   return " ".join(["flax_tp", *([f"attention={attention}"] if attention != "auto" else []),
-                   *([f"remat={remat}"] if remat != "none" else [])])
+                   *([f"remat={remat}"] if remat != "none" else []),
+                   *([f"loss_chunks={loss_chunks}"] if loss_chunks != 1 else [])])
 
 
 def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeats: int,
-                  peak: float, *, attention=("auto",), peers=(), plain_flax=True) -> dict:
+                  peak: float, *, attention=("auto",), peers=(), plain_flax=True,
+                  loss_chunks=()) -> dict:
   """One preset at one ``batch x seq``: each contender's median step and MFU, or
   "out of memory". flax_tp under each of ``attention`` (without recomputation, and with
-  each of ``remats``), the independent peer (``bench/peer_llama.py``) with each of
+  each of ``remats``; the head whole, and by each of ``loss_chunks``), the independent peer (``bench/peer_llama.py``) with each of
   ``peers``' attention, and plain Flax."""
   import dataclasses
 
@@ -178,10 +191,12 @@ def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeat
   cfg = dataclasses.replace(cfg, max_seq_len=max(seq, cfg.max_seq_len))
   tokens = np.asarray(flax_peers.tokens_for(cfg, batch, seq))
   row = {"batch": batch, "seq": seq}
-  builders = {flax_tp_name(kernel, remat):
-              (lambda kernel=kernel, remat=remat: flax_tp_contender(
-                  cfg, mesh, tokens, tx, Execution(remat=remat, attention=kernel))[1])
-              for kernel in attention for remat in ["none", *remats]}
+  builders = {flax_tp_name(kernel, remat, chunks):
+              (lambda kernel=kernel, remat=remat, chunks=chunks: flax_tp_contender(
+                  cfg, mesh, tokens, tx, Execution(remat=remat, attention=kernel,
+                                                   loss_chunks=chunks))[1])
+              for kernel in attention for remat in ["none", *remats]
+              for chunks in [1, *loss_chunks]}
   for kind in peers:
     builders[f"peer {kind}"] = lambda kind=kind: peer_contender(
         peer_llama.PeerLlama(cfg, tx, kind, seq=seq), tokens)[0]

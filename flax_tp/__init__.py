@@ -15,7 +15,7 @@ from flax_tp.host_memory import keep_freed_host_memory
 from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_parallel
 from flax_tp.logical import load_unsharded, unshard
 from flax_tp.lora import LoRAConfig, add_adapters, add_lora
-from flax_tp.loss import kept_token_count, vocab_parallel_cross_entropy
+from flax_tp.loss import chunked_token_loss, kept_token_count, vocab_parallel_cross_entropy
 from flax_tp.mesh import (
     CONTEXT_AXIS,
     DATA_AXIS,
@@ -109,6 +109,7 @@ __all__ = [
     "split_into_stages",
     "unshard",
     "vocab_parallel_cross_entropy",
+    "chunked_token_loss",
     "vocab_parallel_sample",
     "VocabParallelEmbedding",
 ]

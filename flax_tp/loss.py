@@ -98,3 +98,47 @@ def kept_token_count(labels: jax.Array, ignore_index: int | None) -> jax.Array:
   if ignore_index is None:
     return jnp.asarray(labels.size, jnp.float32)
   return jnp.sum(labels != ignore_index).astype(jnp.float32)
+
+
+def chunked_token_loss(x: jax.Array, logits_of, per_token_loss, per_token: tuple = (), *,
+                       chunks: int = 1) -> jax.Array:
+  """The summed loss of a sequence's tokens, its logits made ``chunks`` pieces at a time.
+
+  x: ``[b, n, d]`` the hidden states the head reads (this device's, as ``logits_of``
+    takes them). logits_of: ``[b, c, d] -> [b, c, V_local]``, the head.
+  per_token_loss(logits, *per_token): ``[b, c]`` each token's loss; ``per_token`` are
+    arrays ``[b, m, ...]`` (the labels) cut as the tokens are (None passes through); the
+    first ``m <= n`` tokens of ``x`` are scored.
+  returns: the sum of every scored token's loss (float32 scalar).
+
+  ``chunks=1``: the head on all of ``x`` at once (``[b, n, V_local]`` logits, float32 in the
+  loss). More: the tokens cut in ``chunks`` pieces along the sequence (the last padded,
+  its padding scored zero), one piece's logits made, scored and dropped before the next's
+  (``jax.lax.map``), and made again in backward (``jax.checkpoint``): the logits held at
+  once are ``[b, ceil(m / chunks), V_local]``, at the price of the head's matmul again
+  (about a third more of its flops) and the loss's all-reduces once per piece.
+  """
+  if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+    raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+  scored = next(a for a in per_token if a is not None).shape[1]
+  if chunks == 1:
+    logits = logits_of(x)
+    return per_token_loss(logits if scored == x.shape[1] else logits[:, :scored],
+                          *per_token).sum()
+  size = -(-scored // chunks)  # tokens per piece
+  pad = size * chunks - scored
+
+  def pieces(a):  # [b, m, ...] -> [chunks, b, size, ...], padding zero
+    a = jnp.pad(a[:, :scored], [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+    return jnp.moveaxis(a.reshape(a.shape[0], chunks, size, *a.shape[2:]), 1, 0)
+
+  real = pieces(jnp.ones(x.shape[:1] + (scored,), bool))
+
+  @jax.checkpoint
+  def piece_loss(args):
+    x_c, real_c, *per_token_c = args
+    loss = per_token_loss(logits_of(x_c), *per_token_c)
+    return jnp.where(real_c, loss, jnp.zeros((), loss.dtype)).sum()
+
+  return jnp.sum(jax.lax.map(piece_loss, (
+      pieces(x), real, *(None if a is None else pieces(a) for a in per_token))))

@@ -18,8 +18,27 @@ from flax import nnx
 
 from flax_tp.data_parallel import gather_block
 
-# "block" recomputes a whole block (nothing saved); the rest are jax.checkpoint_policies.
-REMAT_CHOICES = ("none", "block", "nothing_saveable", "dots_saveable",
+# The names a block gives its intermediates (``jax.ad_checkpoint.checkpoint_name``), for
+# the named policies below to save: each ``[b, s, ...]`` on this device's heads / columns.
+QUERY_PROJ, KEY_PROJ, VALUE_PROJ = "query_proj", "key_proj", "value_proj"  # before rotary
+ATTENTION_OUT = "attention_out"  # the attention core's output (and a fused kernel's
+# residuals: splash's log-sum-exp), before the output projection
+OUT_PROJ = "out_proj"  # the output projection's, before the residual add
+
+# Between none and "block", by what a block keeps for its backward (MaxText's names):
+# "save_qkv_proj" keeps q, k and v (the backward recomputes attention and the MLP);
+# "save_out_proj" keeps the attention branch's output; "save_attention" keeps q, k, v,
+# attention's output and residuals and its projection: only norms and the MLP are
+# recomputed, never the attention kernel.
+NAMED_POLICIES = {
+    "save_qkv_proj": (QUERY_PROJ, KEY_PROJ, VALUE_PROJ),
+    "save_out_proj": (OUT_PROJ,),
+    "save_attention": (QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTENTION_OUT, OUT_PROJ),
+}
+
+# "block" recomputes a whole block (nothing saved); then the named policies; the rest are
+# jax.checkpoint_policies.
+REMAT_CHOICES = ("none", "block", *NAMED_POLICIES, "nothing_saveable", "dots_saveable",
                  "dots_with_no_batch_dims_saveable", "checkpoint_dots",
                  "checkpoint_dots_with_no_batch_dims", "everything_saveable")
 
@@ -31,6 +50,8 @@ def remat_policy(remat: str) -> Callable | None:
     raise ValueError(f"remat must be one of {REMAT_CHOICES}, got {remat!r}")
   if remat == "none":
     return None
+  if remat in NAMED_POLICIES:
+    return jax.checkpoint_policies.save_only_these_names(*NAMED_POLICIES[remat])
   return getattr(jax.checkpoint_policies, "nothing_saveable" if remat == "block" else remat)
 
 

@@ -25,8 +25,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from flax_tp.context import ContextSplit
+from flax_tp.remat import ATTENTION_OUT
 from flax_tp.ring_attention import ring_attention
 from models import layer_kinds, ops, splash
 from models.config import TransformerConfig
@@ -110,8 +112,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: AttentionSpec,
   attention's ``i // (h / g)`` (``g`` divides ``h``; the kv heads are not copied).
   dropout: where the keep-mask is drawn (``Dropout``), None for none.
   core: how the keys are reached, ``core_of(context)``; None for ``local``.
+
+  The output is named ``ATTENTION_OUT`` for a recomputing block to keep (``remat``'s
+  "save_attention"); splash's kernel names its own residuals instead (its output among
+  them, laid out as the kernel keeps it), so that the block keeps it once.
   """
-  return (core or local)(q, k, v, spec, q_positions, k_positions, kv_index, dropout)
+  out = (core or local)(q, k, v, spec, q_positions, k_positions, kv_index, dropout)
+  return out if isinstance(core, Splash) else checkpoint_name(out, ATTENTION_OUT)
 
 
 def core_of(context: ContextSplit | None, kernel: str = "xla"):

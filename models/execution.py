@@ -83,6 +83,11 @@ class Execution:
   # on the probabilities; off a TPU it runs in Pallas interpret mode, slowly).
   # models.splash.choose_kernel decides; the results agree to float rounding.
   attention: str = "auto"
+  # The head and the loss by pieces of the sequence (flax_tp.chunked_token_loss): 1 makes
+  # the logits [b, s, V] at once; k > 1 makes them [b, s/k, V] at a time (float32 in the
+  # loss), again in backward: a step's logits memory cut k-fold for the head's matmul
+  # once more. The same loss and gradients to float rounding.
+  loss_chunks: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "expert_axes", flax_tp.MeshAxes.expert_roles(self.expert_axes))
@@ -103,6 +108,9 @@ class Execution:
     if self.attention not in ATTENTION_KERNELS:
       raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got "
                        f"{self.attention!r}")
+    if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int) or (
+        self.loss_chunks < 1):
+      raise ValueError(f"loss_chunks must be a positive integer, got {self.loss_chunks!r}")
     if self.expert_dispatcher not in flax_tp.moe.DISPATCHERS:
       raise ValueError(f"expert_dispatcher must be one of {flax_tp.moe.DISPATCHERS}, got "
                        f"{self.expert_dispatcher!r}")
@@ -125,7 +133,9 @@ class Execution:
                                   (f"experts over {' x '.join(self.expert_axes)}",
                                    self.expert_axes != flax_tp.MeshAxes.DEFAULT_EXPERT_ROLES),
                                   ("experts dispatched all-to-all",
-                                   self.expert_dispatcher == "all_to_all")
+                                   self.expert_dispatcher == "all_to_all"),
+                                  (f"head and loss in {self.loss_chunks} pieces",
+                                   self.loss_chunks > 1),
                                   ) if on]
 
 

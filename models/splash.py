@@ -29,6 +29,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from flax_tp.remat import ATTENTION_OUT
 
 # Execution.attention's choices: "auto" is splash on a TPU where the model allows it,
 # XLA elsewhere; "xla" and "splash" are asked for (splash where it cannot run: an error).
@@ -193,7 +196,13 @@ def _attend_fwd(key, varying, q, k, v, sinks):
   with _unchecked():
     out, residuals = _forward(key, q, k, v, sinks)
   axes = frozenset(varying)  # every input's (``attend``)
-  return _typed(out, axes), _typed(residuals, axes)
+  out, residuals = _typed(out, axes), _typed(residuals, axes)
+  # A recomputing block (``remat``'s "save_attention") keeps the residuals past q, k and v
+  # (the output, its log-sum-exp, the sinks, the backward's mask tables) so that its
+  # backward never runs the forward kernel again; q, k and v are the block's own, saved
+  # (or not) under their own names.
+  q_k_v, rest = residuals[:3], residuals[3:]
+  return out, (*q_k_v, *jax.tree.map(lambda r: checkpoint_name(r, ATTENTION_OUT), rest))
 
 
 def _attend_bwd(key, varying, residuals, d_out):

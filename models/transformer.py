@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
 import flax_tp
@@ -29,7 +30,7 @@ from flax_tp.context import ContextSplit
 from flax_tp.data_parallel import gather_for_step, global_rows, whole_over_data
 from flax_tp.padding import masked
 from flax_tp.params import place_on_mesh, sharded_param
-from flax_tp.remat import run_blocks
+from flax_tp.remat import KEY_PROJ, OUT_PROJ, QUERY_PROJ, VALUE_PROJ, run_blocks
 from flax_tp.sequence import ActivationLayout
 from models import attention, execution as execution_lib, layer_kinds, ops
 from models.config import TransformerConfig
@@ -171,13 +172,16 @@ class ParallelAttention(nnx.Module):
     """
     layout = layout or ActivationLayout()
     q, k, v = self._project(x_bsd, layer, layout.positions(), layout)
+    q, k, v = (checkpoint_name(t, name) for t, name in ((q, QUERY_PROJ), (k, KEY_PROJ),
+                                                        (v, VALUE_PROJ)))
     dropout_key = ops.site_key(key, layer, ops.ATTN_PROBS)
     dropout = None
     if dropout_key is not None:
       dropout = attention.Dropout(dropout_key, rows, self._head_map()[2])
     out = self._attend(q, k, v, layer, dropout=dropout,
                        core=attention.core_of(layout.context, self.attention_kernel))
-    out = self.o(layout.for_scatter(out))
+    out = checkpoint_name(self.o(layout.for_scatter(out)), OUT_PROJ)  # (what remat's
+    # named policies keep, as q, k and v above and attention's output in ``attend``)
     return (out, (k, v)) if return_kv else out
 
   def extend(self, x_bsd, cache, positions, layer):
@@ -437,6 +441,13 @@ class ParallelBlock(nnx.Module):
     return x_bsd if stats is None else (x_bsd, stats)
 
 
+def _logits(head: nnx.Module, x_bsd: jax.Array, cfg: TransformerConfig) -> jax.Array:
+  """The head (the tied embedding's ``attend``, or a column-parallel ``head``) on
+  ``x [b, s, d]`` -> this device's vocabulary shard ``[b, s, vocab_pad]``, soft-capped."""
+  return ops.softcap_of(head.attend(x_bsd) if cfg.tie_embeddings else head(x_bsd),
+                        cfg.final_softcap)
+
+
 class _Tail(nnx.Module):
   """What follows the blocks: the final norm and the head (the embedding, tied)."""
 
@@ -497,7 +508,8 @@ class Transformer(nnx.Module):
     """How the logits' vocabulary dimension is split and padded."""
     return self.embed.layout
 
-  def __call__(self, tokens_bs, *, dropout_key=None, with_aux=False, rows=None):
+  def __call__(self, tokens_bs, *, dropout_key=None, with_aux=False, rows=None,
+               per_token_loss=None, per_token=()):
     """``with_aux`` (inside the step's map): ``(logits, aux)``, where ``aux`` is what the
     model's own losses and metrics (``aux_losses``, ``aux_metrics``) are computed from:
     a dict of sums over this device's tokens (its data shard's, and on a context mesh its
@@ -506,7 +518,12 @@ class Transformer(nnx.Module):
     layers' ``flax_tp.RouterStats`` added up, and ``"layer_loads"``, each MoE layer's
     counts ``[MoE layers, E]`` in layer order (the selection biases' balancing reads
     them). ``rows``: the global ids of ``tokens_bs``' rows (dropout's keys), where they are
-    not this data shard's rows in order (an accumulated step's microbatch)."""
+    not this data shard's rows in order (an accumulated step's microbatch).
+
+    ``per_token_loss(logits, *per_token) -> [b, c]`` (inside the step's map): instead of
+    the logits, the sum of every scored token's loss, the logits made
+    ``execution.loss_chunks`` pieces of the sequence at a time
+    (``flax_tp.chunked_token_loss``: ``per_token``, the labels ``[b, m]``, cut alike)."""
     if not flax_tp.axis_is_bound(flax_tp.MODEL_AXIS):
       if with_aux:
         raise ValueError("with_aux is for a call inside the step's shard_map")
@@ -525,11 +542,15 @@ class Transformer(nnx.Module):
     x, stats, loads = self._blocks(x, dropout_key, rows, layout)
     x = self.ln_f(x)
     x = flax_tp.copy_to_parallel(x) if layout.sequence is None else layout.gather(x)
-    logits = ops.softcap_of(self.embed.attend(x) if cfg.tie_embeddings else self.head(x),
-                            cfg.final_softcap)
+    head = self.embed if cfg.tie_embeddings else self.head
+    if per_token_loss is None:
+      out = _logits(head, x, cfg)
+    else:
+      out = flax_tp.chunked_token_loss(x, lambda x: _logits(head, x, cfg), per_token_loss,
+                                       per_token, chunks=self.execution.loss_chunks)
     if not with_aux:
-      return logits
-    return logits, ({} if stats is None else {"router": stats, "layer_loads": loads})
+      return out
+    return out, ({} if stats is None else {"router": stats, "layer_loads": loads})
 
   def step_tokens(self, tokens_bs):
     """What the model runs of a next-token step's tokens ``[b, S + 1]``: the first ``S``,
@@ -571,17 +592,20 @@ class Transformer(nnx.Module):
             "expert_load": whole.counts / (whole.tokens * top_k),
             "expert_dropped": whole.dropped / (whole.tokens * top_k)}
 
-  def pipelined_loss(self, tokens_bs, token_loss, batched=(), *, dropout_key=None):
+  def pipelined_loss(self, tokens_bs, per_token_loss, batched=(), *, count,
+                     dropout_key=None):
     """Inside the step's map, a model whose stages run the 1F1B schedule
     (``Execution(pipeline_schedule="1f1b")``): the loss of this device's rows, each
     microbatch's taken as soon as it leaves the last stage
     (``flax_tp.pipeline.pipeline_1f1b_loss``).
 
-    ``token_loss(logits, *rows)``: one microbatch's share of the loss from its logits
+    ``per_token_loss(logits, *rows) -> [b / M, s]``: each token's loss from its logits
     (this device's vocabulary shard, ``[b / M, s, vocab_pad]``, as ``__call__`` gives
-    them) and its rows of ``batched`` (arrays ``[b, ...]``: the labels). Returns the
-    sum of the shares over microbatches (a scalar, the same on every stage), which
-    ``jax.grad`` differentiates as it would the same loss of ``__call__``'s logits."""
+    them, made ``execution.loss_chunks`` pieces at a time) and its rows of ``batched``
+    (arrays ``[b, ...]``: the labels); a microbatch's share is their sum over ``count``.
+    Returns the sum of the shares over microbatches (a scalar, the same on every stage),
+    which ``jax.grad`` differentiates as it would the same loss of ``__call__``'s
+    logits."""
     if self.pipeline is None or self.pipeline.schedule != "1f1b":
       raise ValueError(f"pipelined_loss is for a model pipelined with the 1f1b schedule; "
                        f"this one's is {None if self.pipeline is None else self.pipeline}")
@@ -597,8 +621,9 @@ class Transformer(nnx.Module):
     def tail_loss(tail, x, *rows):
       x = tail.ln_f(x)
       x = flax_tp.copy_to_parallel(x) if layout.sequence is None else layout.gather(x)
-      logits = tail.head.attend(x) if cfg.tie_embeddings else tail.head(x)
-      return token_loss(ops.softcap_of(logits, cfg.final_softcap), *rows)
+      return flax_tp.chunked_token_loss(x, lambda x: _logits(tail.head, x, cfg),
+                                        per_token_loss, rows,
+                                        chunks=self.execution.loss_chunks) / count
 
     return flax_tp.pipeline.pipeline_1f1b_loss(
         self.blocks, tail, x,

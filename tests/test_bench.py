@@ -189,7 +189,8 @@ def test_mfu_bench_smoke(tmp_path):
   from bench.mfu import main as mfu_main, model_flops, param_count
   out = tmp_path / "mfu.json"
   assert mfu_main(["--presets", "llama-tiny", "--points", "2x8", "--remat", "block",
-                   "--repeats", "1", "--peak-tflops", "1", "--out", str(out)]) == 0
+                   "--loss-chunks", "2", "--repeats", "1", "--peak-tflops", "1",
+                   "--out", str(out)]) == 0
   results = json.loads(out.read_text())
   assert results["versions"]["jax"] and results["peak_tflops"] == 1.0
   (row,) = results["points"]
@@ -202,7 +203,8 @@ def test_mfu_bench_smoke(tmp_path):
   assert param_count(untied) == row["params"] + 259 * 24
   assert model_flops(untied, param_count(untied), 2, 8) == row["model_flops"]
   # the independent peer (bench/peer_llama.py) with XLA's attention, off a TPU
-  for name in ("flax_tp", "flax_tp remat=block", "plain Flax", "peer xla"):
+  for name in ("flax_tp", "flax_tp remat=block", "flax_tp loss_chunks=2",
+               "flax_tp remat=block loss_chunks=2", "plain Flax", "peer xla"):
     step = row[name]["step_s"]
     assert step > 0 and row[name]["mfu"] == pytest.approx(row["model_flops"] / step / 1e12)
   assert row["flax_tp / plain Flax"] == pytest.approx(
@@ -214,7 +216,7 @@ def test_mfu_bench_smoke(tmp_path):
 @pytest.mark.parametrize("argv", [["--points", "16x"], ["--points", "0x8"], ["--repeats", "0"],
                                   ["--peak-tflops", "-1"], ["--presets", "llama-1b"],
                                   ["--remat", "block,sometimes"], ["--attention", "flash"],
-                                  ["--peers", "splash,flash"]])
+                                  ["--peers", "splash,flash"], ["--loss-chunks", "1"]])
 def test_mfu_bench_refuses_bad_values(argv, capsys):
   from bench.mfu import main as mfu_main
   try:
@@ -277,6 +279,37 @@ def test_mfu_bench_keeps_the_points_measured_before_an_interrupt(tmp_path, monke
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1] == f"bench.mfu: interrupted after 1 of 3 points; they are in {out}"
   assert not (tmp_path / "mfu.json.tmp").exists()
+
+
+def test_step_bytes_reports_xlas_accounting_of_each_step(tmp_path):
+  """bench.step_bytes: XLA's FLOPs, bytes and temporaries of flax_tp's step (and with the
+  head by pieces) and the peer's, and their largest results outside fusion bodies."""
+  from bench.step_bytes import largest_results, main as bytes_main
+  out = tmp_path / "bytes.json"
+  assert bytes_main(["--preset", "llama-tiny", "--point", "2x16", "--attention", "xla",
+                     "--execution", "loss_chunks=2", "--peers", "xla", "--top", "5",
+                     "--hlo-dir", str(tmp_path / "hlo"), "--out", str(out)]) == 0
+  programs = json.loads(out.read_text())["programs"]
+  assert set(programs) == {"flax_tp attention=xla", "flax_tp attention=xla loss_chunks=2",
+                           "peer xla"}
+  for figures in programs.values():
+    assert figures["tflop"] >= 0 and figures["temp_gb"] >= 0 and len(figures["largest"]) == 5
+  assert len(list((tmp_path / "hlo").glob("*.hlo.txt"))) == 3
+  # a fusion's body is not counted; the fusion's own result is
+  hlo = """HloModule m
+%fused_computation (p: f32[4,8]) -> f32[4,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  ROOT %m = f32[4,8]{1,0} multiply(%p, %p)
+}
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %f = f32[4,8]{1,0} fusion(%a), kind=kLoop, calls=%fused_computation
+  ROOT %c = bf16[4,8]{1,0} convert(%f)
+}
+"""
+  assert largest_results(hlo) == [
+      {"result": "f32[4,8]", "op": "fusion", "count": 1, "gb": 0.0},
+      {"result": "bf16[4,8]", "op": "convert", "count": 1, "gb": 0.0}]
 
 
 def test_profile_names_the_compiled_programs_ops():

@@ -83,6 +83,7 @@ def test_mesh_too_large_exits_2_with_one_line():
      "--microbatches 3 does not divide the 4 sequences each data shard runs (--batch-size 8 "
      "over the 2-way data axis of --mesh stage=2,data=2,model=2)"),
     (["--microbatches", "0"], "--microbatches must be an integer in [1, 2147483647], got 0"),
+    (["--loss-chunks", "0"], "--loss-chunks must be an integer in [1, 2147483647], got 0"),
     (["--pipeline-repeats", "2"], "--pipeline-repeats 2 is for --pipeline-schedule circular"),
     (["--pipeline-schedule", "zero-bubble"], "invalid choice: 'zero-bubble'"),
     (["--pipeline-repeats", "2", "--pipeline-schedule", "1f1b"],

@@ -98,7 +98,7 @@ def _check_against_reference(mesh_spec, seq_len, cfg_options=None, execution=Non
 FAST = [
     ("2x2x2", 13, {}, Execution(sequence_parallel=True)),
     ("1x3x2", 17, dict(num_kv_heads=3, qk_norm=True, norm="rmsnorm", mlp="swiglu"),
-     Execution(fsdp=True, sequence_parallel=True)),
+     Execution(fsdp=True, sequence_parallel=True, loss_chunks=3)),  # (pieces of slots)
 ]
 SLOW = [
     ("1x2x4", 13, {}, Execution()),
@@ -118,8 +118,8 @@ FAST_RING = [
 SLOW_RING = [
     ("1x3x2", 17, dict(num_kv_heads=3, qk_norm=True, norm="rmsnorm", mlp="swiglu"),
      Execution(context_parallel=RING, fsdp=True, sequence_parallel=True)),
-    ("1x4x2", 14, dict(num_kv_heads=2, rotary_fraction=0.5),
-     Execution(context_parallel=RING, scan_layers=True, remat="block")),
+    ("1x4x2", 14, dict(num_kv_heads=2, rotary_fraction=0.5),  # (a named policy)
+     Execution(context_parallel=RING, scan_layers=True, remat="save_qkv_proj")),
     ("2x3x1", 14, dict(attn_softcap=5.0, **SLIDING),
      Execution(context_parallel=RING, scan_layers=True, remat="block", fsdp=True)),
     ("1x8x1", 11, dict(num_kv_heads=2, tie_embeddings=False),

@@ -18,7 +18,7 @@ def test_the_architecture_holds_no_execution_field():
   names = {f.name for f in dataclasses.fields(Execution)}
   assert names == {"sequence_parallel", "remat", "scan_layers", "fsdp", "context_parallel",
                    "expert_axes", "expert_dispatcher", "microbatches", "pipeline_schedule",
-                   "pipeline_repeats", "pipelined", "attention"}
+                   "pipeline_repeats", "pipelined", "attention", "loss_chunks"}
   # one name on both, meaning two things: the config's Attention record (what attention
   # is) and Execution's kernel choice (how it runs; the accelerator issue's spelling)
   assert names & {f.name for f in dataclasses.fields(TransformerConfig)} == {"attention"}
@@ -36,6 +36,10 @@ def test_the_architecture_holds_no_execution_field():
     Execution(expert_axes="model")
   assert Execution(expert_dispatcher="all_to_all").describe() == [
       "experts dispatched all-to-all"]
+  assert Execution(loss_chunks=4, remat="save_attention").describe() == [
+      "remat save_attention", "head and loss in 4 pieces"]
+  with pytest.raises(ValueError, match="loss_chunks must be a positive integer, got 0"):
+    Execution(loss_chunks=0)
   with pytest.raises(ValueError, match="expert_dispatcher must be one of"):
     Execution(expert_dispatcher="all-to-all")  # (the CLI's spelling; the record's is _)
 

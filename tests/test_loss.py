@@ -115,3 +115,39 @@ def test_ignore_index_mean_over_global_kept_tokens(spec):
   for a, b in zip(jax.tree.leaves(flax_tp.unshard(grads)),
                   jax.tree.leaves(flax_tp.unshard(ref_grads)), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_loss_by_pieces_is_the_whole_loss_and_holds_a_piece_of_the_logits():
+  """``chunked_token_loss``: the summed loss and its gradients (to the hidden states and
+  the head) are the whole head's at any piece count, a count that leaves the last piece
+  padded and labels shorter than the hidden states (a MoE's extra token) included; the
+  compiled step's temporaries shrink with the pieces (the float32 logits never whole)."""
+  b, n, d, vocab = 2, 64, 16, 512
+  x = jax.random.normal(jax.random.key(0), (b, n, d))
+  w = jax.random.normal(jax.random.key(1), (d, vocab)) / 4
+  labels = jax.random.randint(jax.random.key(2), (b, n - 1), 0, vocab)
+  per_token = lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), labels)
+
+  def loss(chunks):
+    return jax.jit(jax.value_and_grad(lambda x, w: flax_tp.chunked_token_loss(
+        x, lambda x: x @ w, per_token, (labels,), chunks=chunks), argnums=(0, 1)))
+
+  want = per_token((x @ w)[:, :n - 1], labels).sum()
+  (whole, (gx, gw)) = loss(1)(x, w)
+  np.testing.assert_allclose(whole, want, rtol=1e-6)
+  assert np.all(np.asarray(gx[:, -1]) == 0)  # the unscored token
+  for chunks in (2, 5, 8):  # 63 tokens: pieces of 32, 13 (2 padded), 8 (1 padded)
+    value, (cx, cw) = loss(chunks)(x, w)
+    np.testing.assert_allclose(value, whole, rtol=1e-6)
+    np.testing.assert_allclose(cx, gx, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(cw, gw, rtol=1e-5, atol=1e-6)
+
+  def temporaries(chunks):
+    return loss(chunks).lower(x, w).compile().memory_analysis().temp_size_in_bytes
+
+  logits_bytes = b * n * vocab * 4
+  assert temporaries(1) >= logits_bytes
+  assert temporaries(8) < temporaries(1) - logits_bytes // 2
+  with pytest.raises(ValueError, match="chunks must be a positive integer, got 0"):
+    flax_tp.chunked_token_loss(x, lambda x: x @ w, per_token, (labels,), chunks=0)

@@ -149,6 +149,7 @@ class Job:
         execution=section(Execution, sequence_parallel="sequence_parallel", remat="remat",
                           scan_layers="scan_layers", fsdp="fsdp",
                           context_parallel="context_parallel", attention="attention",
+                          loss_chunks="loss_chunks",
                           expert_axes="expert_axes",
                           expert_dispatcher="expert_dispatcher",
                           microbatches="microbatches", pipeline_schedule="pipeline_schedule",

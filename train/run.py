@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "scores never reach HBM), 'xla' (XLA's einsums), or 'auto': splash on "
                       "a TPU where the model allows it, XLA elsewhere; same results to "
                       "float rounding")
+  p.add_argument("--loss-chunks", type=int, default=Execution.loss_chunks,
+                 help="make the head's logits and score them this many pieces of the "
+                      "sequence at a time (again in backward): the [batch, seq, vocab] "
+                      "float32 logits never whole in memory, for the head's matmul once "
+                      "more; same results to float rounding")
   p.add_argument("--expert-axes", default=",".join(Execution.expert_axes),
                  help="mixture of experts: the mesh axes the experts split over, 'data' and "
                       "any of 'context' (each context shard's tokens reach the experts on "
@@ -258,6 +263,9 @@ def check_args(args: argparse.Namespace) -> None:
   if not 1 <= args.microbatches <= INT_MAX:
     raise UsageError(f"--microbatches must be an integer in [1, {INT_MAX}], got "
                      f"{args.microbatches}")
+  if not 1 <= args.loss_chunks <= INT_MAX:
+    raise UsageError(f"--loss-chunks must be an integer in [1, {INT_MAX}], got "
+                     f"{args.loss_chunks}")
   if args.pipeline_repeats is not None:
     if args.pipeline_schedule != "circular":
       raise UsageError(f"--pipeline-repeats {args.pipeline_repeats} is for "

@@ -283,27 +283,31 @@ class Trainer:
                                      constant_values=fill), fill=fill)
     reduce_over = batch_axes()  # "data" (and "context"): one all-reduce
 
-    def token_loss(logits, labels):
-      """The summed loss of these logits' tokens over the global count."""
-      if context is None and model_len > seq_len:
-        logits = logits[:, :seq_len]
+    def per_token_loss(logits, labels, scored=None):
+      """Each of these logits' tokens' loss ``[b, c]`` (in a context padding slot,
+      ``scored`` False: zero)."""
       per_token = flax_tp.vocab_parallel_cross_entropy(
           logits, labels, vocab_size=self.cfg.vocab_size,
           label_smoothing=options.label_smoothing, z_loss=options.z_loss,
           ignore_index=options.ignore_index)
-      if context is not None:
-        scored = context.positions() < seq_len
-        per_token = jnp.where(scored[None], per_token, jnp.zeros((), per_token.dtype))
-      return per_token.sum() / count
+      if scored is not None:
+        per_token = jnp.where(scored, per_token, jnp.zeros((), per_token.dtype))
+      return per_token
 
+    # The per-token arrays the head's pieces are scored with: the labels, and with a
+    # context axis which of this device's slots hold a token that predicts one.
+    per_token = (labels,) if context is None else (
+        labels, jnp.broadcast_to(context.positions() < seq_len, labels.shape))
     if model.pipeline is not None and model.pipeline.schedule == "1f1b":
       # Each microbatch's loss taken as it leaves the last stage, its backward begun.
       # (1F1B refuses a model with aux: it needs every microbatch's first.)
-      local = model.pipelined_loss(model_tokens, token_loss, (labels,), dropout_key=key)
+      local = model.pipelined_loss(model_tokens, per_token_loss, per_token, count=count,
+                                   dropout_key=key)
       aux = {}
     else:
-      logits, aux = model(model_tokens, dropout_key=key, with_aux=True, rows=rows)
-      local = token_loss(logits, labels)
+      local, aux = model(model_tokens, dropout_key=key, with_aux=True, rows=rows,
+                         per_token_loss=per_token_loss, per_token=per_token)
+      local = local / count
     # The aux's sums over every data and context shard's tokens.
     aux = jax.tree.map(lambda a: flax_tp.all_reduce(a, "sum", reduce_over), aux)
     loss = flax_tp.all_reduce(local, "sum", reduce_over)
