@@ -180,8 +180,8 @@ def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeat
                   loss_chunks=()) -> dict:
   """One preset at one ``batch x seq``: each contender's median step and MFU, or
   "out of memory". flax_tp under each of ``attention`` (without recomputation, and with
-  each of ``remats``; the head whole, and by each of ``loss_chunks``), the independent peer (``bench/peer_llama.py``) with each of
-  ``peers``' attention, and plain Flax."""
+  each of ``remats``; the head whole, and by each of ``loss_chunks``), the independent
+  peer (``bench/peer_llama.py``) with each of ``peers``' attention, and plain Flax."""
   import dataclasses
 
   import numpy as np

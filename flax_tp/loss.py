@@ -108,7 +108,7 @@ def chunked_token_loss(x: jax.Array, logits_of, per_token_loss, per_token: tuple
     takes them). logits_of: ``[b, c, d] -> [b, c, V_local]``, the head.
   per_token_loss(logits, *per_token): ``[b, c]`` each token's loss; ``per_token`` are
     arrays ``[b, m, ...]`` (the labels) cut as the tokens are (None passes through); the
-    first ``m <= n`` tokens of ``x`` are scored.
+    first ``m <= n`` tokens of ``x`` are scored (all ``n`` without per-token arrays).
   returns: the sum of every scored token's loss (float32 scalar).
 
   ``chunks=1``: the head on all of ``x`` at once (``[b, n, V_local]`` logits, float32 in the
@@ -120,7 +120,7 @@ def chunked_token_loss(x: jax.Array, logits_of, per_token_loss, per_token: tuple
   """
   if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
     raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-  scored = next(a for a in per_token if a is not None).shape[1]
+  scored = next((a.shape[1] for a in per_token if a is not None), x.shape[1])
   if chunks == 1:
     logits = logits_of(x)
     return per_token_loss(logits if scored == x.shape[1] else logits[:, :scored],

@@ -39,6 +39,11 @@ from flax_tp.remat import REMAT_CHOICES
 from models.splash import KERNELS as ATTENTION_KERNELS, choose_kernel
 
 
+def _positive_int(value) -> bool:
+  """Whether ``value`` is an int (not a bool) of at least 1."""
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Execution:
   sequence_parallel: bool = False  # Megatron-SP: [b, s/M, d] between blocks
@@ -96,20 +101,16 @@ class Execution:
     if self.context_parallel not in CONTEXT_STRATEGIES:
       raise ValueError(f"context_parallel must be one of {CONTEXT_STRATEGIES}, got "
                        f"{self.context_parallel!r}")
-    if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or (
-        self.microbatches < 1):
+    if not _positive_int(self.microbatches):
       raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
-    if self.pipeline_repeats is not None and (
-        isinstance(self.pipeline_repeats, bool) or not isinstance(self.pipeline_repeats, int)
-        or self.pipeline_repeats < 1):
+    if self.pipeline_repeats is not None and not _positive_int(self.pipeline_repeats):
       raise ValueError(f"pipeline_repeats must be a positive integer or None, got "
                        f"{self.pipeline_repeats!r}")
     flax_tp.StagePlan.of(1, 1, self.pipeline_schedule, self.pipeline_repeats)  # checks both
     if self.attention not in ATTENTION_KERNELS:
       raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got "
                        f"{self.attention!r}")
-    if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int) or (
-        self.loss_chunks < 1):
+    if not _positive_int(self.loss_chunks):
       raise ValueError(f"loss_chunks must be a positive integer, got {self.loss_chunks!r}")
     if self.expert_dispatcher not in flax_tp.moe.DISPATCHERS:
       raise ValueError(f"expert_dispatcher must be one of {flax_tp.moe.DISPATCHERS}, got "

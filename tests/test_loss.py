@@ -143,6 +143,14 @@ def test_the_loss_by_pieces_is_the_whole_loss_and_holds_a_piece_of_the_logits():
     np.testing.assert_allclose(cx, gx, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(cw, gw, rtol=1e-5, atol=1e-6)
 
+  # without per-token arrays every token is scored
+  lse = lambda logits: jax.nn.logsumexp(logits, axis=-1)
+  np.testing.assert_allclose(
+      flax_tp.chunked_token_loss(x, lambda x: x @ w, lse, chunks=5),
+      flax_tp.chunked_token_loss(x, lambda x: x @ w, lse), rtol=1e-6)
+  np.testing.assert_allclose(flax_tp.chunked_token_loss(x, lambda x: x @ w, lse),
+                             lse(x @ w).sum(), rtol=1e-6)
+
   def temporaries(chunks):
     return loss(chunks).lower(x, w).compile().memory_analysis().temp_size_in_bytes
 
