@@ -78,10 +78,11 @@ def flax_tp_contender(cfg, mesh, tokens_host, tx, execution=None):
   from train.step import Trainer
   trainer = Trainer(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0),
                                 execution=execution or Execution()), tx)
-  params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
+  # The step as train/run.py's loop runs it: its state held as lists of arrays.
+  held = trainer.held(trainer.params, trainer.init_opt_state(trainer.params))
   tokens = jax.device_put(tokens_host, trainer.batch_sharding)
-  compiled, seconds = compile_timed(trainer.train_step, params, opt_state, tokens, None)
-  return trainer, Contender("flax_tp", compiled, (params, opt_state), tokens, (None,)), seconds
+  compiled, seconds = compile_timed(held.jitted, *held.leaves, tokens, None)
+  return trainer, Contender("flax_tp", compiled, held.leaves, tokens, (None,)), seconds
 
 
 def peer_contender(peer, tokens_host):

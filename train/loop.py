@@ -72,15 +72,24 @@ class _Run(SetUp):
   def __init__(self, job: Job):
     super().__init__(job)
     self.last_eval, self.loss, self.rate = None, float("nan"), 0.0
+    self._held = None  # the steps' state (train.step.HeldState) once they start
+
+  def _sync(self) -> None:
+    """``params`` and ``opt_state`` as the last step left them (the steps hold them as
+    lists of arrays, ``HeldState``; these are rebuilt once per step at most)."""
+    if self._held is not None:
+      self.params, self.opt_state = self._held.state()
 
   def evaluate(self) -> float:
     job = self.job
+    self._sync()
     losses = [self.trainer.eval_step(self.params, global_batch(
         self.corpus, "eval", job.schedule.seed, i, job.schedule.batch_size, job.model.seq_len,
         self.trainer.batch_sharding)) for i in range(EVAL_BATCHES)]
     return float(np.mean([float(x) for x in losses]))
 
   def save(self, step: int) -> None:
+    self._sync()
     if self.checkpointer is not None:
       try:
         # With LoRA the adapters alone (the base is --init-from's, or the preset's at the
@@ -132,6 +141,7 @@ class _Run(SetUp):
                         TextColumn("{task.fields[rate]} tok/s"), TimeRemainingColumn(),
                         console=self.console, transient=False)
     task = progress.add_task("train", total=steps, completed=start, loss="-", rate="-")
+    self._held = held = trainer.held(self.params, self.opt_state)
     with progress:
       for step in range(start, steps):
         if interrupts.requested():
@@ -140,10 +150,8 @@ class _Run(SetUp):
         tokens = global_batch(self.corpus, "train", schedule.seed, step, schedule.batch_size,
                               job.model.seq_len, trainer.batch_sharding)
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, step)
-        new_params, new_opt_state, out = trainer.train_step(self.params, self.opt_state,
-                                                            tokens, key)
-        # (A step that is not finite came back unapplied: these are the last good state.)
-        self.params, self.opt_state = new_params, new_opt_state
+        # (A step that is not finite comes back unapplied: the last good state is held.)
+        out = held.step(tokens, key)
         self.loss = loss = float(out["loss"])
         grad_norm = float(out["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -219,6 +227,7 @@ class _Run(SetUp):
   def finish(self) -> None:
     """The sample (``--sample-length``) and the closing line."""
     job, console, corpus = self.job, self.console, self.corpus
+    self._sync()
     if job.sample.length:
       tokenizer = corpus.tokenizer
       prompt = [int(t) for t in tokenizer.encode(job.sample.prompt.encode())]
