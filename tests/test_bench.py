@@ -501,3 +501,32 @@ def test_ab_checkouts_times_two_checkouts_in_one_process(tmp_path):
   bad = subprocess.run([sys.executable, "-m", "bench.ab_checkouts", "--roots", str(tmp_path)],
                        cwd=root, capture_output=True, text=True, timeout=120)
   assert bad.returncode == 2 and "is not a flax_tp checkout" in bad.stderr
+
+
+def test_device_profile_reads_the_devices_ops_from_a_trace(capsys):
+  """``bench.device_profile``'s reading of a jax.profiler trace: the device's process only
+  (not the host's), time per step on each of its threads and per op; ops named back to
+  their HLO result and jax source. On a CPU it refuses in one line (it reads an
+  accelerator's trace)."""
+  from bench.device_profile import device_times, main as profile_main, op_sources
+  meta = lambda pid, name, tid=None: {"ph": "M", "pid": pid, "tid": tid, "args": {"name": name},
+                                      "name": "thread_name" if tid is not None
+                                      else "process_name"}
+  op = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "dur": dur}
+  events = [meta(1, "/device:TPU:0"), meta(1, "XLA Ops", 7), meta(1, "XLA Modules", 8),
+            meta(2, "/host:CPU"), meta(2, "XLA Ops", 7),
+            op(1, 7, "fusion.3", 300), op(1, 7, "fusion.3", 500), op(1, 7, "custom-call.1", 1000),
+            op(1, 8, "jit_step", 2000), op(2, 7, "fusion.3", 9000)]
+  times = device_times(events, "TPU:0", steps=2)
+  assert times["threads_ms"] == {"XLA Ops": 0.9, "XLA Modules": 1.0}
+  assert times["ops"] == {"fusion.3": (1.0, 0.4), "custom-call.1": (0.5, 0.5)}
+  with pytest.raises(ValueError, match="GPU:0"):
+    device_times(events, "GPU:0", steps=1)
+  hlo = ('  %fusion.3 = bf16[8,1024,768]{2,1,0} fusion(%p), kind=kLoop, calls=%f, '
+         'metadata={op_name="jit(step)/jvp()/dot_general" stack_frame_id=1}')
+  assert op_sources(hlo) == {"fusion.3": ("bf16[8,1024,768]{2,1,0}", "jit(step)/jvp()/dot_general")}
+  with pytest.raises(SystemExit) as exit_info:
+    profile_main(["--point", "2x16"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "device is 'cpu'" in err, err
