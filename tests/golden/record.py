@@ -49,10 +49,11 @@ def machine() -> dict:
           "jax": jax.__version__}
 
 
-# Flags that change only how XLA:CPU's LLVM backend optimises the code it emits (the
-# tests compile with them: tests/conftest.py); results may round differently in the last
-# bit, so the numerics run without them, as a user's run does.
-CODEGEN_FLAGS = ("--xla_backend_optimization_level", "--xla_llvm_disable_expensive_passes")
+# Flags that change how XLA:CPU emits and optimises a program's code (the tests compile
+# with them: tests/conftest.py); results may round differently in the last bit, so the
+# numerics run without them, as a user's run does.
+CODEGEN_FLAGS = ("--xla_backend_optimization_level", "--xla_llvm_disable_expensive_passes",
+                 "--xla_cpu_use_fusion_emitters", "--xla_cpu_parallel_codegen_split_count")
 
 
 def _env() -> dict:
