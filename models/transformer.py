@@ -1,16 +1,19 @@
 """A decoder-only transformer built from flax_tp layers (Megatron's layout).
 
-Per block, inside one ``shard_map`` over ``("data", "model")``:
+Per block, inside one ``shard_map`` over the mesh's axes ("data", "model", and any of
+"context", "stage", "expert"):
 
-    x [b, s, d] replicated over "model"
-      -> LayerNorm -> copy_to_parallel -> q, k, v column-parallel by whole heads
-      -> rotary, causal attention on this device's heads
-      -> o row-parallel (all-reduce #1) -> residual
-      -> LayerNorm -> up column-parallel -> GELU -> down row-parallel (all-reduce #2)
-      -> residual
+    x [b, s, d] replicated over "model" (sequence parallel: this device's s / m rows)
+      -> the config's norm (RMSNorm, LayerNorm, Gemma's offset RMSNorm)
+      -> copy_to_parallel (or all-gather) -> q, k, v column-parallel by whole heads
+      -> rotary, attention on this device's heads (models/attention.py's cores)
+      -> o row-parallel (all-reduce #1, or reduce-scatter) -> residual
+      -> the norm -> the MLP (gate/up column-parallel, the config's activation, down
+         row-parallel: all-reduce #2), or the experts (flax_tp/moe.py) -> residual
 
-The tied LM head gives this device's vocabulary shard of the logits, which
-``flax_tp.vocab_parallel_cross_entropy`` consumes without gathering them.
+The LM head (tied or not) gives this device's vocabulary shard of the logits, which
+``flax_tp.vocab_parallel_cross_entropy`` consumes without gathering them (by pieces of
+the sequence with ``Execution.loss_chunks``).
 Param names, nesting and key-draw order match ``models/reference.py``.
 """
 

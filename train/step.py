@@ -1,8 +1,9 @@
 """One training step as data: a single shard_map for forward + backward, then optax.
 
-    tokens [B, S+1] sharded over "data"
-      -> shard_map over ("data", "model"):
-           Transformer on local shards -> local logits [b, S, vocab_pad]
+    tokens [B, S+1] sharded over "data" (a context axis splits S inside the map)
+      -> shard_map over the mesh's axes (Trainer._map):
+           Transformer on local shards -> local logits [b, S, vocab_pad] (by pieces of
+           the sequence with Execution.loss_chunks; 1F1B: on the last stage)
            -> vocab_parallel_cross_entropy -> this shard's share of the mean loss
            -> jax.grad (Megatron's conjugate collectives come from check_vma)
            -> params entered per-replica over "data" once, so each gradient is
