@@ -9,9 +9,9 @@ import tempfile
 # The tests' programs are small and run once or twice; compiling them is most of the
 # suite's time. XLA:CPU's LLVM backend therefore optimises the code it emits less
 # (FAST_COMPILE_XLA_FLAGS: ~35% less time per test file), emits fusions with its older
-# (LLVM IR) emitters rather than the MLIR fusion emitters, compiles a program as one LLVM
-# module (with the first two: tests/test_context.py's fast tests 103 s -> 69 s, cache
-# off), and makes no XNNPACK (YNN) fusions (64 s). The collectives and the sharding are untouched: what the tests assert about a
+# (LLVM IR) emitters rather than the MLIR fusion emitters, and compiles a program as one
+# LLVM module (with the first two: tests/test_context.py's fast tests 103 s -> 69 s, cache
+# off). The collectives and the sharding are untouched: what the tests assert about a
 # program's communication is what a user's run compiles. The older emitters let XLA:CPU's
 # fusion pass group a few elementwise ops differently (tiny's 2x4 step: 336 fusions
 # against 353, the same all-reduces), so a result may round differently in its last bit,
@@ -21,8 +21,7 @@ import tempfile
 FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0",
                           "--xla_llvm_disable_expensive_passes=true",
                           "--xla_cpu_use_fusion_emitters=false",
-                          "--xla_cpu_parallel_codegen_split_count=1",
-                          "--xla_cpu_experimental_ynn_fusion_type=")
+                          "--xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = " ".join(
     (*FAST_COMPILE_XLA_FLAGS, os.environ.get("XLA_FLAGS", ""),
      "--xla_force_host_platform_device_count=8",

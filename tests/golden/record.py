@@ -53,8 +53,7 @@ def machine() -> dict:
 # with them: tests/conftest.py); results may round differently in the last bit, so the
 # numerics run without them, as a user's run does.
 CODEGEN_FLAGS = ("--xla_backend_optimization_level", "--xla_llvm_disable_expensive_passes",
-                 "--xla_cpu_use_fusion_emitters", "--xla_cpu_parallel_codegen_split_count",
-                 "--xla_cpu_experimental_ynn_fusion_type")
+                 "--xla_cpu_use_fusion_emitters", "--xla_cpu_parallel_codegen_split_count")
 
 
 def _env() -> dict:
