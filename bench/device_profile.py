@@ -82,23 +82,18 @@ def main(argv=None) -> int:
   except ValueError:
     p.error(f"--point must be BATCHxSEQ, got {args.point!r}")
 
-  import dataclasses
-
   import jax
-  import numpy as np
 
   import flax_tp
-  from bench import peer_llama, peers as flax_peers
-  from bench.harness import flax_tp_contender, interleaved_medians, peer_contender
+  from bench import peer_llama
+  from bench.harness import at_point, flax_tp_contender, interleaved_medians, peer_contender
   from models.config import TransformerConfig
   from train.step import make_optimizer
 
   device = jax.devices()[0]
   if device.platform not in ("tpu", "gpu"):
     p.error(f"reads an accelerator's trace; this process's device is {device.platform!r}")
-  cfg = TransformerConfig.preset(args.preset, dtype="bfloat16")
-  cfg = dataclasses.replace(cfg, max_seq_len=max(seq, cfg.max_seq_len))
-  tokens = np.asarray(flax_peers.tokens_for(cfg, batch, seq))
+  cfg, tokens = at_point(TransformerConfig.preset(args.preset, dtype="bfloat16"), batch, seq)
   tx = make_optimizer(lr=1e-4, steps=1000, warmup_steps=10)
   contenders = {
       "flax_tp": flax_tp_contender(cfg, flax_tp.make_mesh("1x1"), tokens, tx)[1],

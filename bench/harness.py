@@ -85,6 +85,18 @@ def flax_tp_contender(cfg, mesh, tokens_host, tx, execution=None):
   return trainer, Contender("flax_tp", compiled, held.leaves, tokens, (None,)), seconds
 
 
+def at_point(cfg, batch: int, seq: int):
+  """``(cfg, tokens)`` for a step of ``batch x seq``: ``cfg`` with room for ``seq``
+  positions, and the benchmarks' tokens ``[batch, seq + 1]`` on the host (int32)."""
+  import dataclasses
+
+  import numpy as np
+
+  from bench.peers import tokens_for
+  cfg = dataclasses.replace(cfg, max_seq_len=max(seq, cfg.max_seq_len))
+  return cfg, np.asarray(tokens_for(cfg, batch, seq))
+
+
 def peer_contender(peer, tokens_host):
   import jax
   tokens = jax.device_put(tokens_host, peer.batch_sharding)

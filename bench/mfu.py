@@ -33,6 +33,7 @@ if __package__ in (None, ""):
   sys.path.insert(0, str(ROOT))
 
 from bench.harness import (  # noqa: E402  (after the path above: run as a script too)
+    at_point,
     flax_tp_contender,
     interleaved_medians,
     model_flops,
@@ -182,14 +183,9 @@ def measure_point(cfg, batch: int, seq: int, remats: list[str], mesh, tx, repeat
   "out of memory". flax_tp under each of ``attention`` (without recomputation, and with
   each of ``remats``; the head whole, and by each of ``loss_chunks``), the independent
   peer (``bench/peer_llama.py``) with each of ``peers``' attention, and plain Flax."""
-  import dataclasses
-
-  import numpy as np
-
   from bench import peer_llama, peers as flax_peers
   from models.execution import Execution
-  cfg = dataclasses.replace(cfg, max_seq_len=max(seq, cfg.max_seq_len))
-  tokens = np.asarray(flax_peers.tokens_for(cfg, batch, seq))
+  cfg, tokens = at_point(cfg, batch, seq)
   row = {"batch": batch, "seq": seq}
   builders = {flax_tp_name(kernel, remat, chunks):
               (lambda kernel=kernel, remat=remat, chunks=chunks: flax_tp_contender(

@@ -92,21 +92,16 @@ def main(argv=None) -> int:
   except ValueError:
     p.error(f"--point must be BATCHxSEQ, got {args.point!r}")
 
-  import dataclasses
-
   import jax
-  import numpy as np
 
   import flax_tp
-  from bench import peer_llama, peers as flax_peers
-  from bench.harness import flax_tp_contender, peer_contender
+  from bench import peer_llama
+  from bench.harness import at_point, flax_tp_contender, peer_contender
   from models.config import TransformerConfig
   from models.execution import Execution
   from train.step import make_optimizer
 
-  cfg = TransformerConfig.preset(args.preset, dtype="bfloat16")
-  cfg = dataclasses.replace(cfg, max_seq_len=max(seq, cfg.max_seq_len))
-  tokens = np.asarray(flax_peers.tokens_for(cfg, batch, seq))
+  cfg, tokens = at_point(TransformerConfig.preset(args.preset, dtype="bfloat16"), batch, seq)
   tx = make_optimizer(lr=1e-4, steps=1000, warmup_steps=10)
   mesh = flax_tp.make_mesh("1x1")
   settings = [{}] + [dict(field.split("=", 1) for field in setting.split(","))
