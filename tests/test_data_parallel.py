@@ -44,10 +44,11 @@ def train(mesh, cfg, steps=2, **execution):
 
 
 @pytest.mark.parametrize("preset,mesh_spec,options", [
-    ("llama-tiny", "2x4", {}),
+    # (the fast lane: 4x2 with the memory options, tiny's biases, and data x context)
+    pytest.param("llama-tiny", "2x4", {}, marks=pytest.mark.slow),
     pytest.param("llama-tiny", "2x4", dict(remat="block"), marks=pytest.mark.slow),
     ("llama-tiny", "4x2", dict(sequence_parallel=True, remat="block", scan_layers=True)),
-    ("llama-tiny", "1x8", {}),
+    pytest.param("llama-tiny", "1x8", {}, marks=pytest.mark.slow),
     ("tiny", "2x4", {}),  # biases: q/k/v's model shards split over "data" too
     # over data x context (d_ff 90's shards of 45 over data alone: 4 divides no dim)
     ("llama-tiny", "2x2x2", dict(sequence_parallel=True)),

@@ -7,7 +7,7 @@ Apache License 2.0), rewritten for flax_tp. What was adapted, and why:
 
 - Flax compares ``nnx.Linear`` with ``linen.Dense``; here each flax_tp layer is
   compared with the nnx layer built with the same arguments and seed, on an even
-  (``2x4``) and an uneven (``1x3``) mesh, with random inputs instead of ones and a
+  (``2x4``, the slow lane) and an uneven (``1x3``) mesh, with random inputs instead of ones and a
   random bias init where a bias's error would otherwise hide behind zeros.
 - Lookups, shapes, dtypes and params are asserted bit-equal, as Flax asserts them.
   A matmul's output is asserted within ``reorder_bound``: a row layer sums its
@@ -174,7 +174,7 @@ PRECISIONS = [Precision.DEFAULT, Precision.HIGH, Precision.HIGHEST]
 
 
 @pytest.mark.parametrize("cls", DENSE, ids=name_of)
-@pytest.mark.parametrize("mesh_spec", ["2x4", "1x3"])
+@pytest.mark.parametrize("mesh_spec", [pytest.param("2x4", marks=pytest.mark.slow), "1x3"])
 def test_dense_equals_nnx_linear_for_every_argument(meshes, mesh_spec, cls):
   """Flax's ``test_nnx_linear_equivalence`` and ``TestLinearGeneral.test_basic``: each
   combination of use_bias, dtype, param_dtype and preferred_element_type (precision
@@ -360,7 +360,7 @@ EMBED_CASES = [(*a, *b) for a, b in zip(_IDS_NUM * 2, _DTYPES + _DTYPES[::-1], s
 
 
 @pytest.mark.parametrize("cls", EMBED, ids=name_of)
-@pytest.mark.parametrize("mesh_spec", ["2x4", "1x3"])
+@pytest.mark.parametrize("mesh_spec", [pytest.param("2x4", marks=pytest.mark.slow), "1x3"])
 def test_embed_equals_nnx_embed_for_every_argument(meshes, mesh_spec, cls):
   """Flax's ``embed_test``: over id dtypes int16/int32, 1 or 7 embeddings, dtype and
   param_dtype float32/float16 (``EMBED_CASES``), the lookups of ``arange(num_embeddings)`` and of ten

@@ -10,7 +10,9 @@ from jax.sharding import PartitionSpec as P
 
 import flax_tp
 
-MESHES = ["1x1", "2x4", "1x8", "1x3"]  # 1x2: an even split, as 2x4's
+# 1x2: an even split, as 2x4's; one device and 1x8 in the slow lane.
+MESHES = [pytest.param("1x1", marks=pytest.mark.slow), "2x4",
+          pytest.param("1x8", marks=pytest.mark.slow), "1x3"]
 SIZES = [(16, 8), (257, 6), (3, 3)]  # even, vocab 257 uneven everywhere, smaller than the axis
 LAYERS = [flax_tp.VocabParallelEmbedding, flax_tp.ParallelEmbedding]
 

@@ -103,14 +103,21 @@ def test_family_equals_transformers(meshes, name, mesh_spec):
   check_against_fixture(model, name, batch_one=FAST[name] == mesh_spec)
 
 
+# The fast lane runs two of these (a dense family's mixed windows scanned under SP, FSDP and
+# remat; a MoE family's experts scanned under FSDP and remat); the rest run in the slow
+# lane. Each option's layouts are proved in the fast lane where they live
+# (test_transformer.py: sequence parallelism, sinks, latent attention; test_data_parallel.py:
+# FSDP; test_moe.py: the expert layouts; test_remat.py).
 @pytest.mark.parametrize("name,mesh_spec,execution", [
     # mixed sliding/full layers under one scan (the layer's kind is a traced index),
     # sequence parallelism over 4 with its all-gathers, FSDP over the data axis
     ("gemma3_text", "2x4", Execution(scan_layers=True, sequence_parallel=True, fsdp=True,
                                      remat="block")),
-    ("gemma2", "1x3", Execution(sequence_parallel=True, remat="dots_saveable")),
-    ("phi3", "2x4", Execution(scan_layers=True, fsdp=True)),
-    ("mistral", "1x8", Execution(sequence_parallel=True, scan_layers=True)),
+    pytest.param("gemma2", "1x3", Execution(sequence_parallel=True, remat="dots_saveable"),
+                 marks=pytest.mark.slow),
+    pytest.param("phi3", "2x4", Execution(scan_layers=True, fsdp=True), marks=pytest.mark.slow),
+    pytest.param("mistral", "1x8", Execution(sequence_parallel=True, scan_layers=True),
+                 marks=pytest.mark.slow),
     ("mixtral", "4x2", Execution(scan_layers=True, fsdp=True, remat="block")),
     # its dense and MoE layers scanned as runs of one kind, experts under SP and FSDP
     pytest.param("qwen2_moe", "2x4", Execution(scan_layers=True, sequence_parallel=True,
@@ -118,21 +125,25 @@ def test_family_equals_transformers(meshes, name, mesh_spec):
                  marks=pytest.mark.slow),
     # GLM-4.5's 9 experts whole on the 8 devices of 2x4 (two on one), its router over
     # scanned runs of a dense and a MoE layer, under SP and FSDP
-    ("glm4_moe", "2x4", Execution(expert_axes=("data", "model"), scan_layers=True,
-                                  sequence_parallel=True, fsdp=True)),
+    pytest.param("glm4_moe", "2x4", Execution(expert_axes=("data", "model"), scan_layers=True,
+                                              sequence_parallel=True, fsdp=True),
+                 marks=pytest.mark.slow),
     pytest.param("glm4_moe", "4x2", Execution(remat="block"), marks=pytest.mark.slow),
     # DeepSeek-V3's 9 experts whole on the 8 devices of 2x4, its latent attention under
     # SP (the latents gathered, not x), scanned, FSDP; the other MLA (one q projection,
     # values wider than q/k) under SP with x gathered, remat
-    ("deepseek_v3", "2x4", Execution(expert_axes=("data", "model"), scan_layers=True,
-                                     sequence_parallel=True, fsdp=True)),
+    pytest.param("deepseek_v3", "2x4", Execution(expert_axes=("data", "model"),
+                                                 scan_layers=True, sequence_parallel=True,
+                                                 fsdp=True),
+                 marks=pytest.mark.slow),
     pytest.param("deepseek_v3_plain", "1x8", Execution(sequence_parallel=True, remat="block"),
                  marks=pytest.mark.slow),
     # GPT-OSS's biased, clamped experts whole on the devices of 2x4 (the down bias added by
     # its expert's device), sinks under SP, scanned sliding/full layers, FSDP; on 1x8 its
     # FFN split 8 ways (the down bias added once, by the first model device), remat
-    ("gpt_oss", "2x4", Execution(expert_axes=("data", "model"), scan_layers=True,
-                                 sequence_parallel=True, fsdp=True)),
+    pytest.param("gpt_oss", "2x4", Execution(expert_axes=("data", "model"), scan_layers=True,
+                                             sequence_parallel=True, fsdp=True),
+                 marks=pytest.mark.slow),
     pytest.param("gpt_oss", "1x8", Execution(sequence_parallel=True, remat="block"),
                  marks=pytest.mark.slow),
     # each expert whole on one device: 8 experts over data x model
@@ -163,7 +174,8 @@ RING = "ring"
 # window. Windows (mistral; gemma2 with soft caps in the ring; Qwen2's per-layer windows),
 # OLMo 3's split norms, experts dispatched over context (mixtral, qwen3_moe), a MoE in
 # the ring (qwen2_moe), latent attention (deepseek_v3), sinks (gpt_oss). Context meshes
-# in general: tests/test_context.py.
+# in general: tests/test_context.py. The fast lane runs the first (windows across the
+# chunks' edges, all-gather); sinks in the ring are tests/test_ring_attention.py's fast case.
 @pytest.mark.parametrize("name,mesh_spec,execution", [
     ("mistral", "1x3x2", Execution()),
     pytest.param("gemma2", "2x2x2", Execution(context_parallel=RING, sequence_parallel=True),
@@ -184,7 +196,8 @@ RING = "ring"
                                                    sequence_parallel=True),
                  marks=pytest.mark.slow),
     # the sinks in the ring (forward and its hand-written backward) and the all-gather core
-    ("gpt_oss", "2x2x2", Execution(context_parallel=RING, sequence_parallel=True)),
+    pytest.param("gpt_oss", "2x2x2", Execution(context_parallel=RING, sequence_parallel=True),
+                 marks=pytest.mark.slow),
 ])
 def test_family_on_a_context_mesh_equals_transformers(name, mesh_spec, execution):
   mesh = flax_tp.make_mesh(mesh_spec)

@@ -23,7 +23,10 @@ PROMPTS = [[5, 17, 200, 3, 9, 44, 12, 250, 1], [7, 8, 9, 60]]  # lengths 9 and 4
 
 
 @pytest.mark.parametrize("name,mesh_spec,options", [
-    ("llama", "1x1", {}), ("llama", "1x3", {}), ("llama", "1x8", {}), ("llama", "2x4", {}),
+    # (one device, 1x8 and 2x4: the slow lane)
+    pytest.param("llama", "1x1", {}, marks=pytest.mark.slow), ("llama", "1x3", {}),
+    pytest.param("llama", "1x8", {}, marks=pytest.mark.slow),
+    pytest.param("llama", "2x4", {}, marks=pytest.mark.slow),
     ("qwen2", "1x3", dict(scan_layers=True, sequence_parallel=True))])
 def test_greedy_equals_transformers_generate(meshes, name, mesh_spec, options):
   """transformers' generate(do_sample=False) on each prompt alone (stored by

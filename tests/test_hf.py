@@ -33,7 +33,9 @@ def loss_and_hf_grads(model, ids):
 
 
 @pytest.mark.parametrize("name,mesh_spec,scan_layers", [
-    ("llama", "1x1", False), ("llama", "2x4", False), ("llama", "1x8", False),
+    # (one device and 1x8: the slow lane)
+    pytest.param("llama", "1x1", False, marks=pytest.mark.slow), ("llama", "2x4", False),
+    pytest.param("llama", "1x8", False, marks=pytest.mark.slow),
     ("llama", "1x3", False), ("qwen2", "2x4", False), ("qwen2", "1x3", True)])
 def test_fixture_logits_loss_and_grads(meshes, name, mesh_spec, scan_layers):
   """Stored transformers results; 2 kv heads over 4, 8 and 3 devices are replicated.

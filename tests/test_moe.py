@@ -983,7 +983,8 @@ def test_a_huge_capacity_factor_is_capped_at_every_token(meshes):
 
 @pytest.mark.parametrize("mesh_spec,options", [
     ("2x4", {}),
-    ("4x2", {"scan_layers": True, "fsdp": True, "remat": "block"}),
+    pytest.param("4x2", {"scan_layers": True, "fsdp": True, "remat": "block"},
+                 marks=pytest.mark.slow),
     pytest.param("1x3", {"scan_layers": True, "sequence_parallel": True},
                  marks=pytest.mark.slow)])
 def test_dense_and_moe_layers_mixed(meshes, tmp_path, mesh_spec, options):

@@ -40,7 +40,7 @@ def reference():
 
 
 @pytest.mark.parametrize("mesh_spec,options", [
-    ("1x1", {}),
+    pytest.param("1x1", {}, marks=pytest.mark.slow),
     # 2 kv heads over 3 devices: copies that straddle the groups (the kernel per query
     # head); scanned layers: the window a traced index (the kernel chosen by lax.cond);
     # recomputing all but attention (its residuals named inside the kernel's rule)

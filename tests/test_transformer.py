@@ -28,7 +28,8 @@ from train.step import Trainer, clip_by_logical_norm, make_optimizer
 
 CFG = TransformerConfig.tiny()  # 6 heads, d_ff 90, vocab 259: none divide 4 or 8
 TOKENS = jax.random.randint(jax.random.key(1), (8, CFG.max_seq_len + 1), 0, CFG.vocab_size)
-MESHES = ["1x2", "2x4", "1x8"]  # 1x1 (no model axis): the layer tests and test_train cover it
+# 1x1 (no model axis): the layer tests and test_train cover it; 1x8 in the slow lane.
+MESHES = ["1x2", "2x4", pytest.param("1x8", marks=pytest.mark.slow)]
 STEPS = 3
 
 
@@ -198,7 +199,8 @@ def llama_references():
 
 
 # 2 kv heads over 4 (with data parallelism) and over 3 (uneven), 1 over 8.
-@pytest.mark.parametrize("kv_heads,mesh_spec", [(2, "2x4"), (2, "1x3"),
+@pytest.mark.parametrize("kv_heads,mesh_spec", [(2, "2x4"),
+                                                pytest.param(2, "1x3", marks=pytest.mark.slow),
                                                 pytest.param(1, "1x8", marks=pytest.mark.slow)])
 def test_grouped_query_attention_equivalence(meshes, llama_references, kv_heads, mesh_spec):
   """kv heads replicated where the axis does not line up (2 kv over 4 or 3 devices, 1 over
@@ -311,11 +313,15 @@ def gqa_plain(meshes):
 
 
 @pytest.mark.parametrize("options", [
-    dict(sequence_parallel=True), dict(remat="block"), dict(scan_layers=True),
-    dict(sequence_parallel=True, remat="block"),
+    pytest.param(dict(sequence_parallel=True), id="sp"),
+    # (each other option alone: the slow lane; the fast lane has them together below)
+    pytest.param(dict(remat="block"), id="remat", marks=pytest.mark.slow),
+    pytest.param(dict(scan_layers=True), id="scan", marks=pytest.mark.slow),
+    pytest.param(dict(sequence_parallel=True, remat="block"), id="sp+remat",
+                 marks=pytest.mark.slow),
     # (the head and loss by 4 pieces of the 15 positions: the last one padded)
-    dict(sequence_parallel=True, remat="block", scan_layers=True, loss_chunks=4)],
-    ids=["sp", "remat", "scan", "sp+remat", "sp+remat+scan+loss_chunks"])
+    pytest.param(dict(sequence_parallel=True, remat="block", scan_layers=True, loss_chunks=4),
+                 id="sp+remat+scan+loss_chunks")])
 def test_memory_options_with_replicated_kv_heads(meshes, gqa_plain, options):
   """Grouped-query attention with replicated kv heads (their custom gradient sum), each
   option alone and together, with dropout: the loss and every gradient equal the plain
