@@ -326,6 +326,7 @@ def test_generate_cli_streams_an_hf_folder(hf_folder, capsys):
   from models.generate import generate
   from train import generate as cli
   from train.data import HFTokenizer
+  from train.hf_folder import eos_ids
   folder, _ = hf_folder
   assert cli.main(["--hf", str(folder), "--mesh", "2x4", "--prompt", "def f(x):",
                    "--max-new-tokens", "8"]) == 0
@@ -333,7 +334,7 @@ def test_generate_cli_streams_an_hf_folder(hf_folder, capsys):
   tokenizer = HFTokenizer(folder / "tokenizer.json")
   prompt = tokenizer.encode(b"def f(x):", special_tokens=True).tolist()
   model = load_hf(folder, flax_tp.make_mesh("1x1"))
-  new = generate(model, [prompt], max_new_tokens=8, eos_id=cli.eos_ids(folder))
+  new = generate(model, [prompt], max_new_tokens=8, eos_id=eos_ids(folder))
   assert out == "def f(x):" + tokenizer.decode(new[0, len(prompt):]) + "\n"
 
 

@@ -64,7 +64,7 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 def run(args: argparse.Namespace) -> int:
   import flax_tp
-  from train.generate import load_from_checkpoint
+  from train.run_model import checkpoint_model
   try:
     mesh = flax_tp.make_mesh(args.mesh)
   except ValueError as err:
@@ -77,8 +77,7 @@ def run(args: argparse.Namespace) -> int:
   copied = [n for n in TOKENIZER_FILES if source is not None and (source / n).is_file()]
   out = Path(args.out)
   check_out(args.out, ADAPTER_FILES if adapter else MODEL_FILES + tuple(copied))
-  args.dtype = None  # the checkpoint's own
-  model, _, _ = load_from_checkpoint(args, mesh)
+  model, _, _ = checkpoint_model(args.checkpoint, args.step, mesh)  # (its own dtype)
   if adapter:
     return _export_adapter(model, out, source)
   if args.merge:

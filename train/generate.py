@@ -18,7 +18,6 @@ line on stderr.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 import time
@@ -104,7 +103,8 @@ def check_args(args: argparse.Namespace) -> None:
 def load_from_hf(args, mesh):
   """(model, tokenizer, eos ids) of an HF folder."""
   from models.hf import HFConfigError, load_hf
-  from train.hf_folder import hf_model_and_tokenizer
+  from train.hf_folder import eos_ids, hf_model_and_tokenizer
+  from train.run_model import decoding
   overrides = {"dtype": args.dtype} if args.dtype else {}
   try:
     _, tokenizer = hf_model_and_tokenizer(args.hf, overrides, flag="--hf")
@@ -121,124 +121,11 @@ def load_from_hf(args, mesh):
   return model, tokenizer, eos_ids(Path(args.hf))
 
 
-def eos_ids(folder: Path) -> list[int]:
-  """The end-of-text ids of an HF folder (generation_config.json, else config.json)."""
-  import json
-  for name in ("generation_config.json", "config.json"):
-    path = folder / name
-    if path.is_file():
-      eos = json.loads(path.read_text()).get("eos_token_id")
-      if eos is not None:
-        return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-  return []
-
-
-def decoding():
-  """The ``Execution`` generate and export build with: no pipeline on a mesh's stage axis
-  (the decoder and the export run the layers one by one; every stage holds them all)."""
-  from models.execution import Execution
-  return Execution(pipelined=False)
-
-
 def load_from_checkpoint(args, mesh):
-  """(model, tokenizer, eos ids) of a train/run.py checkpoint directory."""
-  from flax import nnx
-
-  from flax_tp.checkpoint import Checkpointer, CheckpointError
-  from flax_tp.checkpoint.checkpointer import non_finite
-  from flax_tp.checkpoint.keys import flat_leaves
-  from models.config import FLAT_FIELDS, TransformerConfig
-  from train.data import ByteTokenizer, HFTokenizer
-  checkpointer = Checkpointer(args.checkpoint)
-  try:
-    meta = checkpointer.read_meta(args.step)
-  except CheckpointError as err:
-    raise UsageError(f"--checkpoint: {err}") from None
-  run = meta.get("run") or {}
-  config = run.get("config") or meta.get("config")
-  if not isinstance(config, dict):
-    raise UsageError(f"--checkpoint {args.checkpoint!r}: the checkpoint records no model config")
-  config = {k: v for k, v in config.items() if k in FLAT_FIELDS}
-  if args.dtype:
-    config["dtype"] = args.dtype
-  try:
-    cfg = TransformerConfig.from_identity(config)
-  except (TypeError, ValueError) as err:
-    raise UsageError(f"--checkpoint {args.checkpoint!r}: bad model config: {err}") from None
-  # The run's --seq-len is how long it trained, not how long a context its model takes:
-  # the base's (its HF config's, or its preset's), as an export writes it.
-  cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, _base_context(run)))
-  name = run.get("tokenizer", "bytes")
-  if name == "bytes":
-    tokenizer = ByteTokenizer()
-  else:
-    path = Path(run.get("init_from") or "") / "tokenizer.json"
-    if not path.is_file():
-      raise UsageError(f"--checkpoint {args.checkpoint!r}: its run's tokenizer ({name}) was "
-                       f"{str(path)!r}, which is gone")
-    tokenizer = HFTokenizer(path)
-    if tokenizer.name != name:
-      raise UsageError(f"--checkpoint {args.checkpoint!r}: {str(path)!r} changed since the run "
-                       f"(it is {tokenizer.name}, the run used {name})")
-  model = _model_of_run(args, run, cfg, mesh)
-  # A LoRA run's checkpoint holds its adapters alone, on the base rebuilt above.
-  held = nnx.LoRAParam if model.lora is not None else nnx.Param
-  try:
-    restored, _ = checkpointer.restore({"params": nnx.state(model, held)}, args.step)
-  except CheckpointError as err:
-    raise UsageError(f"--checkpoint: {err}") from None
-  bad = non_finite(flat_leaves(restored))
-  if bad:  # saved before flax_tp refused to save a diverged run's state
-    raise UsageError(f"--checkpoint {args.checkpoint!r}: step {meta.get('step', args.step)} "
-                     f"holds NaN or infinity in {len(bad)} param(s) ({bad[0]}, ...): the run "
-                     "diverged; use an earlier --step")
-  nnx.update(model, restored["params"])
-  eos = eos_ids(Path(run["init_from"])) if run.get("init_from") else []
-  return model, tokenizer, eos
-
-
-def _base_context(run: dict) -> int:
-  """The positions the model a run started from takes: its ``--init-from`` folder's
-  ``max_position_embeddings``, or its preset's ``max_seq_len`` (0 when neither is known)."""
-  from models.config import TransformerConfig
-  if run.get("init_from"):
-    from models.hf import read_config
-    try:
-      return read_config(run["init_from"]).max_seq_len
-    except (OSError, ValueError):
-      return 0  # (a base that is gone or changed is named where the model is built)
-  preset = run.get("preset")
-  return (TransformerConfig.preset(preset).max_seq_len
-          if preset in TransformerConfig.preset_names() else 0)
-
-
-def _model_of_run(args, run: dict, cfg, mesh):
-  """The model a checkpoint's params go into, built as the run built it
-  (``train.run_model``): the config's, or for a LoRA run its base (``--init-from``'s
-  folder, checked to be the model the run trained, or the preset's draws at the run's
-  seed) with the run's adapters."""
-  from train.run_model import build_run_model, lora_of_run
-  lora = lora_of_run(run)
-  seed = int(run.get("seed", 0))
-  if lora is None or not run.get("init_from"):
-    return build_run_model(cfg, mesh=mesh, seed=seed if lora else 0, lora=lora,
-                           execution=decoding())
-  base = Path(run["init_from"])
-  if not (base / "config.json").is_file():
-    raise UsageError(f"--checkpoint {args.checkpoint!r}: its LoRA adapters' base "
-                     f"{str(base)!r} is gone")
-  try:
-    model = build_run_model(cfg, mesh=mesh, seed=seed, init_from=base, lora=lora,
-                            execution=decoding())
-  except (ValueError, OSError) as err:
-    raise UsageError(f"--checkpoint {args.checkpoint!r}: its base {str(base)!r}: {err}"
-                     ) from None
-  from models.hf import weights_digest
-  if model.cfg.identity() != cfg.identity() or (
-      run.get("lora_base_sha256") not in (None, weights_digest(base))):
-    raise UsageError(f"--checkpoint {args.checkpoint!r}: its base {str(base)!r} is not the "
-                     "model the run adapted (its config or weights changed since)")
-  return model
+  """(model, tokenizer, eos ids) of a train/run.py checkpoint directory
+  (``train.run_model.checkpoint_model``)."""
+  from train.run_model import checkpoint_model
+  return checkpoint_model(args.checkpoint, args.step, mesh, dtype=args.dtype)
 
 
 class TextStream:

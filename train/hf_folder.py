@@ -3,6 +3,7 @@ tokenizer, each problem a ``UsageError`` naming the flag."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -29,3 +30,14 @@ def hf_model_and_tokenizer(folder: str, overrides: dict[str, Any], flag: str = "
     raise UsageError(f"{flag} {folder!r}: tokenizer.json has {tokenizer.vocab_size} "
                      f"tokens, more than the model's vocab_size {cfg.vocab_size}")
   return cfg, tokenizer
+
+
+def eos_ids(folder: Path) -> list[int]:
+  """The end-of-text ids of an HF folder (generation_config.json, else config.json)."""
+  for name in ("generation_config.json", "config.json"):
+    path = folder / name
+    if path.is_file():
+      eos = json.loads(path.read_text()).get("eos_token_id")
+      if eos is not None:
+        return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+  return []
