@@ -82,9 +82,13 @@ CASES = {
 FAST = {("1x4x1", 13, "all")}
 
 
+# Each case alone on two meshes; on 1x8x1 (7 tokens over 8 devices: a device holding
+# padding alone) every mechanism at once ("all": window, soft cap, dropout, sinks): each
+# mechanism alone on two meshes, and all of them on the third.
 @pytest.mark.parametrize("mesh_spec,seq_len,case", [
     pytest.param(mesh, n, case, marks=() if (mesh, n, case) in FAST else pytest.mark.slow)
-    for mesh, n in [("1x4x1", 13), ("2x2x2", 8), ("1x8x1", 7)] for case in CASES])
+    for mesh, n in [("1x4x1", 13), ("2x2x2", 8), ("1x8x1", 7)] for case in CASES
+    if mesh != "1x8x1" or case == "all"])
 def test_ring_gives_one_devices_attention_and_gradients(mesh_spec, seq_len, case):
   mesh = flax_tp.make_mesh(mesh_spec)
   q, k, v, weights = _inputs(seq_len)
