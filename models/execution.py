@@ -1,8 +1,12 @@
 """How a step runs, apart from what the model is (``models.config.TransformerConfig``).
 
-An ``Execution`` changes no result and no param: a checkpoint moves between runs that
-differ only in it, and ``TransformerConfig.identity()`` (what a checkpoint must match)
-knows nothing of it. It is given to ``Transformer``, ``load_hf`` and the trainer (through
+An ``Execution`` changes no param, and no result but one: a checkpoint moves between runs
+that differ only in it, and ``TransformerConfig.identity()`` (what a checkpoint must match)
+knows nothing of it. The one exception is ``expert_dispatcher="all_to_all"`` with a
+capacity factor: each expert's capacity is per source data shard, so what it drops
+depends on the data axis (``flax_tp.moe.Dispatcher.drops_depend_on_mesh``; every other
+dispatch drops what one device would, or nothing). Within float rounding, every other
+field changes nothing a step computes. It is given to ``Transformer``, ``load_hf`` and the trainer (through
 the model), and applied to a built model in one place, ``apply``, in this order:
 
 1. sequence parallelism: the layers that close a tensor-parallel region (the embedding,

@@ -9,7 +9,7 @@ Per block, inside one ``shard_map`` over the mesh's axes ("data", "model", and a
       -> rotary, attention on this device's heads (models/attention.py's cores)
       -> o row-parallel (all-reduce #1, or reduce-scatter) -> residual
       -> the norm -> the MLP (gate/up column-parallel, the config's activation, down
-         row-parallel: all-reduce #2), or the experts (flax_tp/moe.py) -> residual
+         row-parallel: all-reduce #2), or the experts (flax_tp/moe/) -> residual
 
 The LM head (tied or not) gives this device's vocabulary shard of the logits, which
 ``flax_tp.vocab_parallel_cross_entropy`` consumes without gathering them (by pieces of

@@ -553,8 +553,9 @@ def test_a_transformer_step_is_the_same_with_either_dispatcher(monkeypatch, mesh
   from models.transformer import Transformer
   from train.step import Trainer, make_optimizer
   if factor is None:
-    monkeypatch.setattr(flax_tp.moe, "ragged_all_to_all", emulated_ragged_all_to_all)
-    monkeypatch.setattr(flax_tp.moe, "RAGGED_ALL_TO_ALL_PLATFORMS", frozenset({"cpu"}))
+    monkeypatch.setattr(flax_tp.moe.dispatch, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(flax_tp.moe.dispatch, "RAGGED_ALL_TO_ALL_PLATFORMS",
+                        frozenset({"cpu"}))
   mesh = flax_tp.make_mesh(mesh_spec)
   cfg = TransformerConfig.preset("moe-tiny", expert_capacity_factor=factor)
   tokens = jax.random.randint(jax.random.key(1), (4, cfg.max_seq_len + 1), 0, cfg.vocab_size)
@@ -617,8 +618,9 @@ def test_the_dropless_all_to_all_equals_the_all_gather(monkeypatch, mesh_spec, e
   """Dropless, the all-to-all dispatcher sends each routed choice to its expert's device
   with ``jax.lax.ragged_all_to_all`` (here its emulation: XLA:CPU lacks it) and gives
   the dropless all-gather's outputs, router statistics and every gradient."""
-  monkeypatch.setattr(flax_tp.moe, "ragged_all_to_all", emulated_ragged_all_to_all)
-  monkeypatch.setattr(flax_tp.moe, "RAGGED_ALL_TO_ALL_PLATFORMS", frozenset({"cpu"}))
+  monkeypatch.setattr(flax_tp.moe.dispatch, "ragged_all_to_all", emulated_ragged_all_to_all)
+  monkeypatch.setattr(flax_tp.moe.dispatch, "RAGGED_ALL_TO_ALL_PLATFORMS",
+                        frozenset({"cpu"}))
   mesh = flax_tp.make_mesh(mesh_spec)
   gathered, to_all = _moe_pair(mesh, None, expert_axes)
   x = jax.random.normal(jax.random.key(2), (24, D_MODEL))
