@@ -462,6 +462,18 @@ def test_all_to_all_equals_all_gather_where_nothing_can_drop(mesh_spec, expert_a
     np.testing.assert_allclose(g2[key], g1[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+def test_a_dispatcher_says_whether_its_drops_depend_on_the_mesh(meshes):
+  """Only the all-to-all with a capacity queues per source shard (the test below shows its
+  drops moving with the data axis); the all-gather's queues are the global batch's, and
+  dropless nothing drops."""
+  depends = {("all_gather", None): False, ("all_gather", 1.0): False,
+             ("all_to_all", 1.0): True}
+  for (dispatcher, factor), expected in depends.items():
+    moe = MoE(D_MODEL, D_FF, EXPERTS, TOP_K, mesh=meshes["2x4"], capacity_factor=factor,
+              dispatcher=dispatcher, rngs=nnx.Rngs(0))
+    assert moe.dispatch().drops_depend_on_mesh is expected, (dispatcher, factor)
+
+
 @pytest.mark.parametrize("mesh_spec,policy,factor", [
     ("4x2", "probs", 1.0), pytest.param("2x4", "position", 0.75, marks=pytest.mark.slow),
     pytest.param("8x1", "probs", 1.25, marks=pytest.mark.slow)])
