@@ -1,4 +1,4 @@
-"""FSDP over "data" beside tensor parallelism over "model" (flax_tp.fsdp, --fsdp):
+"""FSDP over "data" beside tensor parallelism over "model" (flax_tp.data_parallel, --fsdp):
 the same training as without it, 1 / (D * M) of the state per device, and the
 collectives FSDP means."""
 
@@ -13,7 +13,7 @@ from flax import nnx
 
 import flax_tp
 from flax_tp.checkpoint import Checkpointer
-from flax_tp.fsdp import FSDP_DIM
+from flax_tp.data_parallel import FSDP_DIM
 from flax_tp.hlo import arrays_sent, collectives
 from models.config import TransformerConfig
 from models.execution import Execution
@@ -137,7 +137,7 @@ def test_an_fsdp_model_runs_outside_the_step(spec):
   shard); unshard_over_data still puts a model back in place."""
   from pathlib import Path
 
-  from flax_tp.fsdp import unshard_over_data
+  from flax_tp.data_parallel import unshard_over_data
   from models.generate import generate
   from models.hf import load_hf
   mesh = flax_tp.make_mesh(spec)

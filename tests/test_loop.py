@@ -128,7 +128,7 @@ def _write_legacy(directory, step, trees, meta):
   import orbax.checkpoint as ocp
 
   from flax_tp.checkpoint.keys import is_leaf, key_of
-  from flax_tp.state import logical_value
+  from flax_tp.logical import logical_value
   state = {}
   for name, tree in trees.items():
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
