@@ -287,10 +287,8 @@ class SetUp:
       console.print(line, markup=False)
     if self.cfg.has_experts:
       # A step's dispatch sees the global batch, each row's S + 1 tokens.
-      console.print(experts_line(self.cfg, flax_tp.MeshAxes.of(mesh),
-                                 self.execution.expert_axes,
+      console.print(experts_line(self.trainer.model(self.params),
                                  tokens=job.schedule.batch_size * (job.model.seq_len + 1),
-                                 dispatcher=self.execution.expert_dispatcher,
                                  microbatches=self.execution.microbatches))
     if self.trainer.accumulation > 1:
       per_shard = job.schedule.batch_size // data_size
@@ -357,75 +355,17 @@ def lora_line(lora, trainer, params) -> str:
           f"({100 * adapters / total:.2f}% of {total:,}); the base is frozen")
 
 
-def experts_line(cfg, axes: flax_tp.MeshAxes, expert_roles: tuple[str, ...],
-                 tokens: int, dispatcher: str = "all_gather", microbatches: int = 1) -> str:
-  """The start-up line saying how a mixture of experts is laid out on the mesh (its
-  experts over ``axes.expert_axes(expert_roles)``), how its tokens are dispatched, and
-  what its capacity is for a step of ``tokens`` tokens (of ``microbatches``
-  microbatches, each routed, and capped, on its own)."""
-  from flax_tp.moe import capacity_is_capped, expert_capacity
-  tokens //= microbatches
+def experts_line(model, tokens: int, microbatches: int = 1) -> str:
+  """The start-up line saying how a mixture of experts is laid out on the mesh, how its
+  tokens are dispatched, and what its capacity is for a step of ``tokens`` tokens (of
+  ``microbatches`` microbatches, each routed, and capped, on its own): the model's MoE
+  layers' own ``describe``."""
+  cfg = model.cfg
+  moe = next(m for _, m in nnx.iter_graph(model) if isinstance(m, flax_tp.MoE))
   unit = "step" if microbatches == 1 else "microbatch"
-  over = axes.expert_axes(expert_roles)
-  experts = flax_tp.ShardLayout(cfg.num_experts, math.prod(axes.size(a) for a in over))
-  whole = flax_tp.MODEL_AXIS in expert_roles
-  ffn = flax_tp.ShardLayout(cfg.expert_width, 1 if whole else axes.model)
   layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-  per_shard = ", ".join(map(str, experts.sizes))
-  padded = "" if experts.is_even else f" (padded to {experts.padded_size})"
-  exchanged = [a for a in over if a in axes.BATCH_ROLES]
-  to_all = dispatcher == "all_to_all" and bool(exchanged)
-  if to_all:
-    dispatch = [f"each routed choice sent all-to-all over {' x '.join(exchanged)} to its "
-                "expert's shard, its output back"]
-  else:
-    dispatch = [f"tokens all-gathered over {' x '.join(exchanged)}, outputs "
-                "reduce-scattered back"] if exchanged else []
-  if flax_tp.MODEL_AXIS in over:
-    dispatch.append("each model device runs its own experts, outputs summed over model")
-  dispatch = "; ".join(dispatch) or "every expert on every device: no dispatch"
-  shared = (f" | shared expert FFN {cfg.shared_expert_d_ff}"
-            f"{'' if cfg.shared_expert_gated else ', ungated'}" if cfg.shared_expert_d_ff
-            else "")
-  router = []  # beyond Mixtral's softmax top-k (DeepSeek-V3, GLM-4.5)
-  if cfg.router_score != "softmax":
-    router.append(f"{cfg.router_score} scores")
-  if cfg.router_selection_bias:
-    router.append("picked with a selection bias")
-  if cfg.expert_groups > 1:
-    router.append(f"from the best {cfg.expert_groups_per_token} of {cfg.expert_groups} groups")
-  if cfg.routed_scale != 1.0:
-    router.append(f"weights x {cfg.routed_scale:g}")
-  router = f" ({', '.join(router)})" if router else ""
-  factor, k, e = cfg.expert_capacity_factor, cfg.experts_per_token, cfg.num_experts
-  if factor is None:
-    capacity = "dropless"
-  elif to_all:  # Megatron's per-rank capacity: each source shard's own choices
-    sources = math.prod(axes.size(a) for a in exchanged)
-    local = tokens // sources
-    per_expert = expert_capacity(local, k, e, factor)
-    if per_expert >= local:  # an expert can take every token of a shard: no drops
-      capacity = (f"capacity factor {factor:g} per source shard, room for each shard's "
-                  f"{local} tokens: nothing dropped")
-    else:
-      capacity = (f"capacity factor {factor:g} per source shard ({per_expert} of each "
-                  f"shard's {local} tokens per expert: what drops depends on the "
-                  f"{' x '.join(exchanged)} axis), full experts keep the "
-                  + ("largest weights" if cfg.expert_drop_policy == "probs"
-                     else "earliest tokens"))
-  elif capacity_is_capped(tokens, k, e, factor):  # never a buffer past every token
-    capacity = (f"capacity factor {factor:g}, capped at all {tokens} tokens of a {unit} "
-                "(an expert can take no more): nothing dropped")
-  else:
-    capacity = (f"capacity factor {factor:g} ({expert_capacity(tokens, k, e, factor)} of a "
-                f"{unit}'s {tokens} tokens per expert), full experts keep the "
-                + ("largest weights" if cfg.expert_drop_policy == "probs" else "earliest tokens"))
-  ffn_words = (f"each expert whole on its device (FFN {cfg.expert_width})" if whole else
-               f"each expert's FFN {cfg.expert_width} over model: "
-               f"{', '.join(map(str, ffn.sizes))}")
-  return (f"experts: {cfg.num_experts} in each of {layers} MoE layer(s), top-"
-          f"{cfg.experts_per_token}{router}, {capacity} | over {' x '.join(over or ('data',))}: "
-          f"{per_shard} per shard{padded} | {ffn_words}{shared} | {dispatch}")
+  return (f"experts: {cfg.num_experts} in each of {layers} MoE layer(s), "
+          + moe.describe(tokens // microbatches, unit))
 
 
 def pipeline_line(model, execution: Execution, *, batch: int, seq_len: int) -> str:

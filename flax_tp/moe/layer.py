@@ -23,7 +23,14 @@ from flax_tp.linear import ColumnParallelDense, RowParallelDense, fused_column_p
 from flax_tp.mesh import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, MeshAxes, split_over
 from flax_tp.moe import dispatch
 from flax_tp.moe.dispatch import Dispatcher
-from flax_tp.moe.experts import DROP_POLICIES, ExpertBiases, LocalExperts, SwiGLU
+from flax_tp.moe.experts import (
+  DROP_POLICIES,
+  ExpertBiases,
+  LocalExperts,
+  SwiGLU,
+  capacity_is_capped,
+  expert_capacity,
+)
 from flax_tp.moe.router import Router, RouterStats, SelectionBias, router_stats
 from flax_tp.padding import masked
 from flax_tp.param_info import EXPERT_SPLIT, MESH_KEY, MODEL_SPLIT, NAMES_KEY, Split, keys_of
@@ -121,6 +128,9 @@ class MoE(ParallelModule):
     # "model" if asked, those with more than one device); with "model" among them each
     # expert is whole on its device and its FFN is not split.
     self.expert_axes = MeshAxes.of(mesh).expert_axes(expert_axes)
+    # Each expert whole on its device (its FFN not split) as asked, whatever the model
+    # axis's size (the start-up line's wording: ``describe``).
+    self.whole_experts = MODEL_AXIS in MeshAxes.of(mesh).expert_roles(expert_axes)
     if MODEL_AXIS in self.expert_axes and axis_name != MODEL_AXIS:
       raise ValueError(f"expert_axes {expert_axes!r} names {MODEL_AXIS!r}, but this MoE's "
                        f"tensor-parallel axis is {axis_name!r}")
@@ -317,6 +327,68 @@ class MoE(ParallelModule):
     gate_logit = jnp.dot(block, self.shared_expert_gate[...].astype(compute_dtype),
                          precision=self.precision)
     return jax.nn.sigmoid(gate_logit) * shared
+
+  # -- the start-up line ------------------------------------------------------------
+
+  def describe(self, tokens: int, unit: str = "step") -> str:
+    """How this layer is laid out and dispatches, for a ``unit`` (a step, or a
+    microbatch routed and capped on its own) of ``tokens`` tokens: ``top-k (the
+    router), the capacity | over the expert axes: experts per shard | the FFN | the
+    dispatch`` (``train/run.py``'s start-up line)."""
+    k, e, factor = self.top_k, self.num_experts, self.capacity_factor
+    mesh_axes = MeshAxes.of(self.mesh)
+    over = self.expert_axes
+    exchanged = [a for a in over if a in mesh_axes.BATCH_ROLES]
+    to_all = self.dispatcher == "all_to_all" and bool(exchanged)
+    if to_all:
+      dispatch = [f"each routed choice sent all-to-all over {' x '.join(exchanged)} to its "
+                  "expert's shard, its output back"]
+    else:
+      dispatch = [f"tokens all-gathered over {' x '.join(exchanged)}, outputs "
+                  "reduce-scattered back"] if exchanged else []
+    if MODEL_AXIS in over:
+      dispatch.append("each model device runs its own experts, outputs summed over model")
+    dispatch = "; ".join(dispatch) or "every expert on every device: no dispatch"
+    spec = self.router_spec
+    router = []  # beyond Mixtral's softmax top-k (DeepSeek-V3, GLM-4.5)
+    if spec.score != "softmax":
+      router.append(f"{spec.score} scores")
+    if self.selection_bias is not None:
+      router.append("picked with a selection bias")
+    if spec.groups > 1:
+      router.append(f"from the best {spec.top_groups} of {spec.groups} groups")
+    if spec.scale != 1.0:
+      router.append(f"weights x {spec.scale:g}")
+    router = f" ({', '.join(router)})" if router else ""
+    keeps = "largest weights" if self.drop_policy == "probs" else "earliest tokens"
+    if factor is None:
+      capacity = "dropless"
+    elif to_all:  # Megatron's per-rank capacity: each source shard's own choices
+      local = tokens // math.prod(mesh_axes.size(a) for a in exchanged)
+      per_expert = expert_capacity(local, k, e, factor)
+      if per_expert >= local:  # an expert can take every token of a shard: no drops
+        capacity = (f"capacity factor {factor:g} per source shard, room for each shard's "
+                    f"{local} tokens: nothing dropped")
+      else:
+        capacity = (f"capacity factor {factor:g} per source shard ({per_expert} of each "
+                    f"shard's {local} tokens per expert: what drops depends on the "
+                    f"{' x '.join(exchanged)} axis), full experts keep the {keeps}")
+    elif capacity_is_capped(tokens, k, e, factor):  # never a buffer past every token
+      capacity = (f"capacity factor {factor:g}, capped at all {tokens} tokens of a {unit} "
+                  "(an expert can take no more): nothing dropped")
+    else:
+      capacity = (f"capacity factor {factor:g} ({expert_capacity(tokens, k, e, factor)} of a "
+                  f"{unit}'s {tokens} tokens per expert), full experts keep the {keeps}")
+    experts = self.expert_layout
+    padded = "" if experts.is_even else f" (padded to {experts.padded_size})"
+    ffn = (f"each expert whole on its device (FFN {self.d_ff})" if self.whole_experts else
+           f"each expert's FFN {self.d_ff} over model: "
+           f"{', '.join(map(str, self.ffn_layout.sizes))}")
+    shared = (f" | shared expert FFN {self.shared_d_ff}{'' if self.shared_gated else ', ungated'}"
+              if self.shared_d_ff else "")
+    return (f"top-{k}{router}, {capacity} | over {' x '.join(over or ('data',))}: "
+            f"{', '.join(map(str, experts.sizes))} per shard{padded} | {ffn}{shared} | "
+            f"{dispatch}")
 
   # -- standalone ------------------------------------------------------------------
 
